@@ -1,0 +1,7 @@
+"""jaxrl_llm: off-policy reinforcement-learning fine-tuning of LLMs in JAX/Flax.
+
+Sub-packages follow the flow generate -> reward -> score -> curate -> train -> export -> evaluate
+(see docs/architecture.md). `losses` is pure math and imports nothing else from the package.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""`jaxrl-llm <command>`: every stage of the flow as its own command.
+
+Each command lives in the module that implements it, which exposes
+`add_arguments(parser: argparse.ArgumentParser) -> None` and `run(args) -> int | None`.
+Modules are imported only when their command runs, so `--help` stays fast and a command's
+heavy dependencies (jax, transformers, matplotlib) load only when needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module implementing it, one-line help). Only commands that exist are listed.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("jaxrl_llm.config_cli", "print the resolved configuration (YAML + overrides)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxrl-llm",
+        description="Off-policy RL fine-tuning of LLMs in JAX/Flax (TOPR, FPA, PKPO).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(_module=module_name)
+        # Argument definitions are cheap; importing the module pulls in only what it imports.
+        importlib.import_module(module_name).add_arguments(cmd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    from jaxrl_llm.config import ConfigError
+
+    try:
+        code = module.run(args)
+    except ConfigError as err:
+        print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
+        return 2
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

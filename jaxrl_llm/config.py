@@ -1,0 +1,284 @@
+"""Typed, validated configuration: YAML files plus `a.b=c` command-line overrides.
+
+Every section is a pydantic model with `extra="forbid"`, so an unknown key or a value of the
+wrong type fails at load time with a `ConfigError` that names the dotted key and the file (or
+the override) it came from. Sections are owned by the part of the package that reads them;
+the defaults here are the papers' (SPEC sections cited per field).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key and source it came from in the message."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(Section):
+    """Which decoder to train, and its numerics (models/)."""
+
+    source: Literal["random", "hf", "gguf", "smollm2"] = "random"
+    path: str | None = Field(None, description="HF directory or GGUF file for source hf/gguf")
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"] = "llama"
+    # Architecture of a random-init model (ignored when loading weights, which carry their own).
+    vocab_size: int = Field(512, gt=0)
+    hidden_size: int = Field(128, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+    max_position_embeddings: int = Field(2048, gt=0)
+    rope_theta: float = Field(10_000.0, gt=0)
+    tie_embeddings: bool = True
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    scan_layers: bool = False
+
+
+class LossConfig(Section):
+    """Which loss kernel and its options (losses/, SPEC §2–5)."""
+
+    name: Literal[
+        "topr", "sft", "reinforce", "opr", "tis", "ppo", "grpo", "dr_grpo",
+        "off_rl", "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo",
+    ] = "topr"
+    # TOPR family truncation bounds (SPEC §2); None means "use the preset named by `name`".
+    a_pos: float | None = None
+    b_pos: float | None = None
+    a_neg: float | None = None
+    b_neg: float | None = None
+    baseline: float = 0.0
+    length_norm: bool = True
+    ratio_level: Literal["sequence", "token"] = "sequence"
+    clip_eps: float = Field(0.2, gt=0)
+    aggregation: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    fpa_lambda: float = Field(1.0, ge=0)
+    fpa_on: Literal["both", "negatives", "positives"] = "both"
+    kl_tau: float = Field(0.04, ge=0)
+    beta: float = Field(0.1, gt=0)
+    rpo_alpha: float = 1.0
+    apo_beta1: float = Field(0.5, gt=0)
+    apo_beta2: float = Field(1e-3, gt=0)
+    logprob_chunk_size: int = Field(4096, gt=0)
+    mu_source: Literal["trainer", "sampler"] = "trainer"
+
+
+class OptimConfig(Section):
+    """optax optimizer, schedule and clipping (train/optim)."""
+
+    name: Literal["adamw", "adafactor", "sgd"] = "adamw"
+    learning_rate: float = Field(1e-5, gt=0)
+    schedule: Literal["constant", "warmup_constant", "warmup_cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.999, ge=0, lt=1)
+    clip_norm: float | None = Field(1.0, gt=0)
+    master_weights_fp32: bool = True
+
+
+class MeshConfig(Section):
+    """Device mesh axes (parallel/): sizes must multiply to the device count; -1 = the rest."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+class TrainConfig(Section):
+    """The trainer loop (train/)."""
+
+    steps: int = Field(100, gt=0)
+    batch_size: int = Field(8, gt=0)
+    micro_batch_size: int | None = Field(None, gt=0)
+    max_seq_len: int = Field(512, gt=0)
+    log_every: int = Field(10, gt=0)
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(3, gt=0)
+    eval_every: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> TrainConfig:
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.micro_batch_size={self.micro_batch_size} must divide "
+                f"train.batch_size={self.batch_size}"
+            )
+        return self
+
+
+class GenerateConfig(Section):
+    """Sampling for the offline dataset (generate/); TOPR's set-up is T=1, top-k 500."""
+
+    backend: Literal["jax", "vllm"] = "jax"
+    n: int = Field(16, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(512, gt=0)
+    batch_size: int = Field(32, gt=0)
+
+
+class DataConfig(Section):
+    """Task, record shards and curation (data/, tasks/, SPEC §7)."""
+
+    task: str = "arithmetic"
+    task_path: str | None = None
+    records: str | None = None
+    curation: str = "uniform"
+    target_positive_fraction: float | None = Field(None, ge=0, le=1)
+    num_prompts: int = Field(256, gt=0)
+    shuffle_seed: int = 0
+
+
+class EvalConfig(Section):
+    """Evaluation (eval/, SPEC §6)."""
+
+    n: int = Field(8, gt=0)
+    num_questions: int = Field(100, gt=0)
+    maj_k: list[int] = Field(default_factory=lambda: [1, 4])
+    bootstrap_trials: int = Field(100, gt=0)
+
+
+class ExperimentConfig(Section):
+    """One experiment: every section plus the run's identity and seed."""
+
+    name: str = "experiment"
+    run_dir: str = "runs/experiment"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"{source}: cannot set {key!r}: {'.'.join(parts[: i + 1])!r} is not a section"
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=c` -> ("a.b", c) with c parsed as a YAML scalar/list (so 3, 1e-5, true, [1,2])."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: {key!r} is not a dotted key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {err}") from err
+    return key, value
+
+
+def _key_source(key: str, file_keys: set[str], override_keys: dict[str, str], path: str) -> str:
+    """Say where a failing key was set: an override wins over the file."""
+    for set_key, override in override_keys.items():
+        if key == set_key or key.startswith(set_key + ".") or set_key.startswith(key + "."):
+            return f"override {override!r}"
+    return f"file {path}" if path else "defaults"
+
+
+def _flatten_keys(tree: Mapping[str, Any], prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for k, v in tree.items():
+        full = f"{prefix}{k}"
+        keys.add(full)
+        if isinstance(v, Mapping):
+            keys |= _flatten_keys(v, full + ".")
+    return keys
+
+
+def config_from_dict(
+    tree: Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    *,
+    source: str = "",
+    schema: type[Section] = ExperimentConfig,
+) -> Any:
+    """Validate a config tree (plus overrides) against `schema`, naming bad keys and sources."""
+    data = copy.deepcopy(dict(tree))
+    file_keys = _flatten_keys(data)
+    override_keys: dict[str, str] = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value, f"override {text!r}")
+        override_keys[key] = text
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            key = _dotted(e["loc"])
+            where = _key_source(key, file_keys, override_keys, source)
+            if e["type"] == "extra_forbidden":
+                lines.append(f"unknown key {key!r} (from {where})")
+            else:
+                lines.append(f"{key!r} (from {where}): {e['msg']}; got {e.get('input')!r}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    *,
+    schema: type[Section] = ExperimentConfig,
+) -> Any:
+    """Load a YAML file (or only defaults when `path` is None) and apply `a.b=c` overrides."""
+    tree: dict[str, Any] = {}
+    source = ""
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {source}: {err}") from err
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {source} is not valid YAML: {err}") from err
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {source}: top level must be a mapping, got {type(loaded).__name__}")
+        tree = loaded
+    return config_from_dict(tree, overrides, source=source, schema=schema)
+
+
+def dump_config(config: Section) -> str:
+    """The resolved config as YAML (what checkpoints store next to the weights)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
