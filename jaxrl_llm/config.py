@@ -43,6 +43,9 @@ class ModelConfig(Section):
     head_dim: int | None = Field(None, gt=0)
     max_position_embeddings: int = Field(2048, gt=0)
     rope_theta: float = Field(10_000.0, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    # Mistral: every layer; Gemma 2: the even (local) layers. None = full attention everywhere.
+    sliding_window: int | None = Field(None, gt=0)
     tie_embeddings: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -92,6 +95,9 @@ class OptimConfig(Section):
     b2: float = Field(0.999, ge=0, lt=1)
     clip_norm: float | None = Field(1.0, gt=0)
     master_weights_fp32: bool = True
+    eps: float = Field(1e-8, gt=0)
+    decay_steps: int | None = Field(None, gt=0, description="cosine decay length; default train.steps")
+    end_lr_ratio: float = Field(0.0, ge=0, le=1)
 
 
 class MeshConfig(Section):
@@ -113,6 +119,12 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
     eval_every: int | None = Field(None, gt=0)
+    # Reference log-probs for DPO/RPO/KTO/A*-PO/off_rl_kl: precomputed in `batch.ref_logprobs`
+    # ("batch") or computed in the train step from a frozen copy of the initial policy
+    # ("model"). FPA always runs the frozen reference forward (it needs hidden states).
+    ref_logprobs: Literal["batch", "model"] = "batch"
+    # The trainer stops after this many consecutive steps skipped for a non-finite loss/grad.
+    max_nonfinite_steps: int = Field(3, gt=0)
 
     @model_validator(mode="after")
     def _micro_divides(self) -> TrainConfig:
@@ -122,6 +134,19 @@ class TrainConfig(Section):
                 f"train.batch_size={self.batch_size}"
             )
         return self
+
+
+class PlanConfig(Section):
+    """`jaxrl-llm plan`: the hardware to compile the train step for (no weights, no devices).
+
+    `platform: tpu` compiles with the real TPU compiler for `topology` (needs the `tpu`
+    extra, PyPI `libtpu`); `cpu` uses `num_devices` fake host devices (`XLA_FLAGS`).
+    """
+
+    platform: Literal["cpu", "tpu"] = "cpu"
+    topology: str | None = Field(None, description="e.g. v5e:16x16 (256 chips), v5e:2x2")
+    num_devices: int | None = Field(None, gt=0, description="fake CPU devices; default: mesh")
+    chip_memory_gib: float | None = Field(None, gt=0, description="HBM per chip; v5e: 16")
 
 
 class GenerateConfig(Section):
@@ -134,6 +159,17 @@ class GenerateConfig(Section):
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(512, gt=0)
     batch_size: int = Field(32, gt=0)
+    split: str = "train"
+    output: str | None = Field(None, description="record directory to write (local or gs://)")
+    records_per_shard: int = Field(10_000, gt=0)
+    stop_at_eos: bool = True
+    # vLLM (GPU host): what its `logprobs` mean, and engine options.
+    vllm_logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    tensor_parallel_size: int = Field(1, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # Score pass (SPEC §0): μ per-token log-probs with the trainer's numerics.
+    score_batch_size: int = Field(8, gt=0)
+    score_output: str | None = Field(None, description="scored record directory (default: <records>-scored)")
 
 
 class DataConfig(Section):
@@ -146,6 +182,21 @@ class DataConfig(Section):
     target_positive_fraction: float | None = Field(None, ge=0, le=1)
     num_prompts: int = Field(256, gt=0)
     shuffle_seed: int = 0
+    tokenizer: str | None = Field(None, description="tokenizer dir, or 'char' (default for random models)")
+    reward_scheme: Literal["pm1", "01"] = "pm1"
+    task_options: dict[str, Any] = Field(default_factory=dict, description="task constructor kwargs")
+    # Curation (SPEC §7): output directory, size, and a group transform applied before training.
+    curated: str | None = None
+    num_records: int | None = Field(None, gt=0)
+    hard_power: float = Field(1.0, gt=0)
+    group_transform: Literal["none", "rloo", "grpo", "dr_grpo", "pkpo"] = "none"
+    pkpo_k: int | None = Field(None, gt=0)
+    # Loader (grain): length buckets (≤ train.max_seq_len), long records, epochs, prefetch.
+    buckets: list[int] = Field(default_factory=list)
+    too_long: Literal["error", "drop"] = "error"
+    num_epochs: int | None = Field(None, gt=0)
+    read_threads: int = Field(2, gt=0)
+    prefetch: int = Field(2, ge=0)
 
 
 class EvalConfig(Section):
@@ -155,6 +206,13 @@ class EvalConfig(Section):
     num_questions: int = Field(100, gt=0)
     maj_k: list[int] = Field(default_factory=lambda: [1, 4])
     bootstrap_trials: int = Field(100, gt=0)
+    split: str = "test"
+    # Sampling for evaluation; None = the generate section's value (002 evaluates at T=0.7).
+    temperature: float | None = Field(None, ge=0)
+    max_new_tokens: int | None = Field(None, gt=0)
+    batch_size: int | None = Field(None, gt=0)
+    seed: int = 1234
+    verifications: int = Field(4, gt=0)  # per solution, for weighted self-consistency (000 §4.4)
 
 
 class ExperimentConfig(Section):
@@ -168,6 +226,7 @@ class ExperimentConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -1,0 +1,476 @@
+"""Preference and supervised losses: DPO, RPO, KTO, offline A*-PO, SFT (SPEC §4).
+
+Same contract as every kernel (DESIGN "Loss kernels"): per-token arrays `[B, T]` and a
+completion mask in, `LossOutput(total, weight, metrics)` out, with loss = `total / weight`.
+
+Inputs shared by all kernels:
+- `logp [B, T]` per-token log-probs of the trained policy, `ref_logp [B, T]` of the frozen
+  reference, `mask [B, T]` 1 on completion tokens (SPEC §0). Values where `mask = 0` are
+  ignored even if NaN/inf. `log π(y|x) = Σ_t mask_t logp_t`.
+- `record_mask [B]` (optional): 0 for padding rows; padding rows never enter a loss.
+- Pairwise losses take `pair_index [P, 2]` of (chosen row, rejected row) into the batch rows,
+  the layout of `jaxrl_llm.data.batch.Batch.pair_index` (build it with `make_pairs`). A pair
+  holding a negative index (`-1`, as `make_pairs(..., pad_to=P)` pads) is padding, and so is
+  a pair touching a row with `record_mask = 0`. `weight` = the number of real pairs.
+
+Metrics follow TRL's names where they exist: the implicit reward of a completion is
+`β (log π(y) − log π_ref(y))`; `reward_margin` is its chosen − rejected mean and
+`reward_accuracy` the fraction of pairs with Δ > 0.
+
+The FPA substitution (002 eq. 8: DPO on π̂ equals DPO with β(1+λ) on π) holds only in the
+contextual-bandit setting, where one softmax covers whole completions; with autoregressive
+per-token normalisers it is approximate (tests/losses/test_preference.py shows both).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.losses.types import LossOutput
+
+__all__ = [
+    "PREFERENCE_LOSSES",
+    "apo_loss",
+    "dpo_loss",
+    "kto_loss",
+    "make_pairs",
+    "rpo_loss",
+    "sft_loss",
+    "soft_group_values",
+]
+
+Array = jax.Array
+
+# Defaults of SPEC §4 (002 App. B.2; 000 §2.3 and §4.3).
+DPO_BETA = 0.1
+RPO_ALPHA = 1.0
+KTO_BETA = 0.1
+KTO_LAMBDA_W = 1.0
+KTO_LAMBDA_L = 1.0
+APO_BETA1 = 0.5
+APO_BETA2 = 1e-3
+MAX_PAIRS_PER_PROMPT = 16
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _check_tokens(fn: str, mask: Array, **arrays: Array) -> int:
+    """chex shape checks naming the argument; returns the batch size."""
+    if jnp.ndim(mask) != 2:
+        raise ValueError(f"{fn}: mask must have shape [B, T], got {jnp.shape(mask)}")
+    for name, value in arrays.items():
+        if jnp.shape(value) != jnp.shape(mask):
+            raise ValueError(
+                f"{fn}: {name} must have the shape of mask {jnp.shape(mask)}, "
+                f"got {jnp.shape(value)}"
+            )
+    return int(jnp.shape(mask)[0])
+
+
+def _check_records(fn: str, batch: int, **arrays: Array | None) -> None:
+    for name, value in arrays.items():
+        if value is not None and jnp.shape(value) != (batch,):
+            raise ValueError(f"{fn}: {name} must have shape [{batch}], got {jnp.shape(value)}")
+
+
+def _record_weights(record_mask: Array | None, batch: int) -> Array:
+    if record_mask is None:
+        return jnp.ones((batch,), jnp.float32)
+    return jnp.asarray(record_mask, jnp.float32)
+
+
+def _sequence_logprob(logp: Array, mask: Array) -> Array:
+    """log π(y|x) = Σ_t mask_t logp_t; masked positions may hold NaN/inf (padding)."""
+    m = jnp.asarray(mask) > 0
+    return jnp.sum(jnp.where(m, logp, 0.0), axis=-1)
+
+
+def _lengths(mask: Array) -> Array:
+    return jnp.sum((jnp.asarray(mask) > 0).astype(jnp.float32), axis=-1)
+
+
+def _wmean(x: Array, w: Array) -> Array:
+    return jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1e-12)
+
+
+def _pairs(
+    fn: str, pair_index: Array, batch: int, record_weights: Array
+) -> tuple[Array, Array, Array]:
+    """(chosen rows, rejected rows, pair weights); padding pairs get weight 0."""
+    pair_index = jnp.asarray(pair_index)
+    if pair_index.ndim != 2 or pair_index.shape[1] != 2:
+        raise ValueError(f"{fn}: pair_index must have shape [P, 2], got {pair_index.shape}")
+    if not jnp.issubdtype(pair_index.dtype, jnp.integer):
+        raise ValueError(f"{fn}: pair_index must hold integers, got dtype {pair_index.dtype}")
+    if not isinstance(pair_index, jax.core.Tracer):
+        host = np.asarray(pair_index)
+        too_big = host >= batch
+        if too_big.any():
+            p = int(np.argwhere(too_big)[0][0])
+            raise ValueError(
+                f"{fn}: pair_index[{p}] = {host[p].tolist()} points past the batch of {batch} rows"
+            )
+        if ((host[:, 0] >= 0) & (host[:, 0] == host[:, 1])).any():
+            p = int(np.argmax(host[:, 0] == host[:, 1]))
+            raise ValueError(f"{fn}: pair_index[{p}] pairs row {host[p, 0]} with itself")
+    real = jnp.all(pair_index >= 0, axis=1)
+    chosen = jnp.clip(pair_index[:, 0], 0, batch - 1)
+    rejected = jnp.clip(pair_index[:, 1], 0, batch - 1)
+    weights = jnp.where(real, record_weights[chosen] * record_weights[rejected], 0.0)
+    return chosen, rejected, (weights > 0).astype(jnp.float32)
+
+
+def _pair_logratios(fn, logp, ref_logp, mask, pair_index, record_mask):
+    batch = _check_tokens(fn, mask, logp=logp, ref_logp=ref_logp)
+    _check_records(fn, batch, record_mask=record_mask)
+    chosen, rejected, pw = _pairs(fn, pair_index, batch, _record_weights(record_mask, batch))
+    logratio = _sequence_logprob(logp, mask) - _sequence_logprob(ref_logp, mask)
+    return logratio[chosen], logratio[rejected], pw, chosen
+
+
+def _pair_metrics(beta, chosen_lr, rejected_lr, pw) -> dict[str, Array]:
+    delta = chosen_lr - rejected_lr
+    return {
+        "chosen_logratio": _wmean(chosen_lr, pw),
+        "rejected_logratio": _wmean(rejected_lr, pw),
+        "chosen_reward": _wmean(beta * chosen_lr, pw),
+        "rejected_reward": _wmean(beta * rejected_lr, pw),
+        "reward_margin": _wmean(beta * delta, pw),
+        "reward_accuracy": _wmean((delta > 0).astype(jnp.float32), pw),
+        "num_pairs": jnp.sum(pw),
+    }
+
+
+# ---------------------------------------------------------------- pairwise losses
+
+
+def dpo_loss(
+    logp: Array,
+    ref_logp: Array,
+    mask: Array,
+    pair_index: Array,
+    *,
+    beta: float | Array = DPO_BETA,
+    record_mask: Array | None = None,
+) -> LossOutput:
+    """DPO: `L = − log σ(β Δ)` per pair (SPEC §4; 002 App. B.2).
+
+    `Δ = [log π(y_w) − log π_ref(y_w)] − [log π(y_l) − log π_ref(y_l)]`, β = 0.1.
+    Returns `total = Σ_pairs L`, `weight = #pairs` (padding pairs excluded).
+    """
+    chosen_lr, rejected_lr, pw, _ = _pair_logratios(
+        "dpo_loss", logp, ref_logp, mask, pair_index, record_mask
+    )
+    per_pair = jax.nn.softplus(-beta * (chosen_lr - rejected_lr))  # −log σ(x) = softplus(−x)
+    metrics = _pair_metrics(beta, chosen_lr, rejected_lr, pw)
+    return LossOutput(jnp.sum(pw * per_pair), jnp.sum(pw), metrics)
+
+
+def rpo_loss(
+    logp: Array,
+    ref_logp: Array,
+    mask: Array,
+    pair_index: Array,
+    *,
+    beta: float | Array = DPO_BETA,
+    alpha: float | Array = RPO_ALPHA,
+    record_mask: Array | None = None,
+) -> LossOutput:
+    """RPO: `L = L_DPO − α · log π(y_w)/|y_w|` per pair (SPEC §4; 000 §2.3), α = 1.
+
+    The length-normalised NLL of the chosen completion counts once per pair it appears in.
+    """
+    chosen_lr, rejected_lr, pw, chosen = _pair_logratios(
+        "rpo_loss", logp, ref_logp, mask, pair_index, record_mask
+    )
+    chosen_nll = -_sequence_logprob(logp, mask)[chosen] / jnp.maximum(_lengths(mask)[chosen], 1.0)
+    per_pair = jax.nn.softplus(-beta * (chosen_lr - rejected_lr)) + alpha * chosen_nll
+    metrics = dict(_pair_metrics(beta, chosen_lr, rejected_lr, pw))
+    metrics["chosen_nll_per_token"] = _wmean(chosen_nll, pw)
+    return LossOutput(jnp.sum(pw * per_pair), jnp.sum(pw), metrics)
+
+
+# ---------------------------------------------------------------- per-record losses
+
+
+def kto_loss(
+    logp: Array,
+    ref_logp: Array,
+    mask: Array,
+    correct: Array,
+    *,
+    beta: float | Array = KTO_BETA,
+    lambda_w: float | Array = KTO_LAMBDA_W,
+    lambda_l: float | Array = KTO_LAMBDA_L,
+    record_mask: Array | None = None,
+    z0: Array | None = None,
+) -> LossOutput:
+    """KTO (SPEC §4; 000 §2.3): `L = λ_y − v` per record.
+
+    `r_θ = log π(y) − log π_ref(y)`; `z0 = max(0, mean_batch r_θ)`, detached;
+    `v = λ_w σ(β(r_θ − z0))` if correct, `λ_l σ(β(z0 − r_θ))` if not. β = 0.1, λ_w = λ_l = 1.
+    `z0` is the mean over *this call's* records; pass `z0` (e.g. from the full batch) to use
+    one reference point across micro-batches. Returns `total = Σ L`, `weight = #records`.
+    """
+    batch = _check_tokens("kto_loss", mask, logp=logp, ref_logp=ref_logp)
+    _check_records("kto_loss", batch, correct=correct, record_mask=record_mask)
+    rw = _record_weights(record_mask, batch)
+    good = jnp.asarray(correct).astype(bool)
+    logratio = _sequence_logprob(logp, mask) - _sequence_logprob(ref_logp, mask)
+    if z0 is None:
+        z0 = jnp.maximum(0.0, _wmean(logratio, rw))
+    z0 = jax.lax.stop_gradient(jnp.asarray(z0, logratio.dtype))
+    value = jnp.where(
+        good, lambda_w * jax.nn.sigmoid(beta * (logratio - z0)),
+        lambda_l * jax.nn.sigmoid(beta * (z0 - logratio)),
+    )
+    per_record = jnp.where(good, lambda_w, lambda_l) - value
+    w_good, w_bad = rw * good, rw * (~good)
+    chosen_lr, rejected_lr = _wmean(logratio, w_good), _wmean(logratio, w_bad)
+    metrics = {
+        "z0": z0,
+        "chosen_logratio": chosen_lr,
+        "rejected_logratio": rejected_lr,
+        "reward_margin": beta * (chosen_lr - rejected_lr),
+        "num_correct": jnp.sum(w_good),
+        "num_incorrect": jnp.sum(w_bad),
+    }
+    return LossOutput(jnp.sum(rw * per_record), jnp.sum(rw), metrics)
+
+
+def _segments(group_ids: Array) -> Array:
+    """Dense segment index in [0, B) for arbitrary int ids (static size: jit-able)."""
+    b = group_ids.shape[0]
+    _, inverse = jnp.unique(group_ids, return_inverse=True, size=b, fill_value=0)
+    return inverse.reshape(b)
+
+
+def soft_group_values(
+    rewards: Array,
+    group_ids: Array,
+    *,
+    beta1: float | Array = APO_BETA1,
+    record_mask: Array | None = None,
+) -> Array:
+    """A*-PO's per-prompt value `V̂ = β₁ log mean_{i∈group} exp(R_i/β₁)` (SPEC §4), per row [B].
+
+    Padding rows (record_mask 0) neither enter a group's value nor get a meaningful one
+    (their value is 0). Groups need all their records in this call.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    group_ids = jnp.asarray(group_ids)
+    batch = rewards.shape[0]
+    chex.assert_shape(group_ids, (batch,))
+    rw = _record_weights(record_mask, batch) > 0
+    seg = _segments(group_ids)
+    scaled = jnp.where(rw, rewards / beta1, -jnp.inf)
+    top = jax.ops.segment_max(scaled, seg, num_segments=batch)[seg]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    # log-mean-exp with the group max factored out: no overflow for any β₁
+    sums = jax.ops.segment_sum(jnp.where(rw, jnp.exp(scaled - top), 0.0), seg, num_segments=batch)
+    counts = jax.ops.segment_sum(rw.astype(jnp.float32), seg, num_segments=batch)
+    log_mean = jnp.log(jnp.maximum(sums[seg], 1e-30)) - jnp.log(jnp.maximum(counts[seg], 1.0))
+    return jnp.where(rw, beta1 * (top + log_mean), 0.0)
+
+
+def apo_loss(
+    logp: Array,
+    ref_logp: Array,
+    mask: Array,
+    rewards: Array,
+    group_ids: Array,
+    *,
+    beta1: float | Array = APO_BETA1,
+    beta2: float | Array = APO_BETA2,
+    record_mask: Array | None = None,
+    values: Array | None = None,
+) -> LossOutput:
+    """Offline A*-PO (SPEC §4; 002 App. B.2): `L = (β₂ (log π(y) − log π_ref(y)) − (R − V̂))²`.
+
+    `V̂` per prompt from `soft_group_values` (β₁ = 0.5) over the records of this call; pass
+    `values [B]` to use values estimated elsewhere (e.g. over the whole offline dataset).
+    β₂ = 1e-3. Returns `total = Σ L`, `weight = #records`.
+    """
+    batch = _check_tokens("apo_loss", mask, logp=logp, ref_logp=ref_logp)
+    _check_records(
+        "apo_loss", batch, rewards=rewards, group_ids=group_ids, record_mask=record_mask,
+        values=values,
+    )
+    rw = _record_weights(record_mask, batch)
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if values is None:
+        values = soft_group_values(rewards, group_ids, beta1=beta1, record_mask=record_mask)
+    advantage = jax.lax.stop_gradient(rewards - jnp.asarray(values, jnp.float32))
+    logratio = _sequence_logprob(logp, mask) - _sequence_logprob(ref_logp, mask)
+    per_record = jnp.square(beta2 * logratio - advantage)
+    metrics = {
+        "logratio": _wmean(logratio, rw),
+        "value": _wmean(jnp.asarray(values, jnp.float32), rw),
+        "advantage": _wmean(advantage, rw),
+        "advantage_abs": _wmean(jnp.abs(advantage), rw),
+    }
+    return LossOutput(jnp.sum(rw * per_record), jnp.sum(rw), metrics)
+
+
+def sft_loss(
+    logp: Array,
+    mask: Array,
+    *,
+    length_norm: bool = False,
+    record_mask: Array | None = None,
+) -> LossOutput:
+    """SFT on gold or positive completions: `L = − log π(y|x)`, or `/|y|` (SPEC §4).
+
+    Select the records with `record_mask` (e.g. `correct` for positives only).
+    Returns `total = Σ L`, `weight = #records`.
+    """
+    batch = _check_tokens("sft_loss", mask, logp=logp)
+    _check_records("sft_loss", batch, record_mask=record_mask)
+    rw = _record_weights(record_mask, batch)
+    nll = -_sequence_logprob(logp, mask)
+    lengths = _lengths(mask)
+    per_record = nll / jnp.maximum(lengths, 1.0) if length_norm else nll
+    metrics = {
+        "nll_per_token": jnp.sum(rw * nll) / jnp.maximum(jnp.sum(rw * lengths), 1.0),
+        "num_records": jnp.sum(rw),
+    }
+    return LossOutput(jnp.sum(rw * per_record), jnp.sum(rw), metrics)
+
+
+# ---------------------------------------------------------------- pairing (host side)
+
+
+def make_pairs(
+    group_ids,
+    correct,
+    *,
+    max_pairs_per_prompt: int = MAX_PAIRS_PER_PROMPT,
+    seed: int = 0,
+    record_mask=None,
+    pad_to: int | None = None,
+) -> np.ndarray:
+    """All (correct, incorrect) row pairs within each prompt, capped per prompt (SPEC §4).
+
+    SPEC §4 **(choice)**, 000 §4.3: every correct × incorrect pair of a group, and when a
+    group has more than `max_pairs_per_prompt` (16) a uniform sample of that many without
+    replacement, drawn from a generator seeded by `(seed, group id)` so a prompt's pairs do not
+    depend on the rest of the batch. Groups appear in order of first row; pairs are in row
+    order. Returns `int32 [P, 2]` (chosen row, rejected row); with `pad_to` the result has
+    exactly `pad_to` rows, padded with `-1` (more pairs than `pad_to` is an error).
+    """
+    group_ids = np.asarray(group_ids)
+    correct = np.asarray(correct)
+    if group_ids.ndim != 1:
+        raise ValueError(f"make_pairs: group_ids must have shape [B], got {group_ids.shape}")
+    if correct.shape != group_ids.shape:
+        raise ValueError(
+            f"make_pairs: correct must have the shape of group_ids {group_ids.shape}, "
+            f"got {correct.shape}"
+        )
+    if not np.issubdtype(group_ids.dtype, np.integer):
+        raise ValueError(f"make_pairs: group_ids must be integers, got dtype {group_ids.dtype}")
+    if int(max_pairs_per_prompt) < 1:
+        raise ValueError(f"make_pairs: max_pairs_per_prompt must be ≥ 1, got {max_pairs_per_prompt}")
+    if int(seed) < 0:
+        raise ValueError(f"make_pairs: seed must be a non-negative integer, got {seed}")
+    valid = np.ones(group_ids.shape, bool)
+    if record_mask is not None:
+        record_mask = np.asarray(record_mask)
+        if record_mask.shape != group_ids.shape:
+            raise ValueError(
+                f"make_pairs: record_mask must have shape {group_ids.shape}, got {record_mask.shape}"
+            )
+        valid = record_mask > 0
+    correct = correct.astype(bool)
+    rows = np.flatnonzero(valid)
+    ids, first, inverse = np.unique(group_ids[rows], return_index=True, return_inverse=True)
+    chunks = []
+    for g in np.argsort(first, kind="stable"):
+        members = rows[inverse == g]
+        good, bad = members[correct[members]], members[~correct[members]]
+        if good.size == 0 or bad.size == 0:
+            continue
+        pairs = np.stack(np.meshgrid(good, bad, indexing="ij"), axis=-1).reshape(-1, 2)
+        if len(pairs) > max_pairs_per_prompt:
+            rng = np.random.default_rng([int(seed), int(ids[g]) & 0xFFFFFFFF])
+            keep = np.sort(rng.choice(len(pairs), int(max_pairs_per_prompt), replace=False))
+            pairs = pairs[keep]
+        chunks.append(pairs)
+    out = np.concatenate(chunks).astype(np.int32) if chunks else np.zeros((0, 2), np.int32)
+    if pad_to is not None:
+        if len(out) > pad_to:
+            raise ValueError(
+                f"make_pairs: {len(out)} pairs do not fit pad_to={pad_to}; raise pad_to or lower "
+                f"max_pairs_per_prompt ({max_pairs_per_prompt})"
+            )
+        out = np.concatenate([out, np.full((pad_to - len(out), 2), -1, np.int32)])
+    return out
+
+
+# ---------------------------------------------------------------- registry for the train step
+
+PreferenceLossFn = Callable[..., LossOutput]
+
+
+def _dpo_entry(logp, ref_logp, mask, *, pair_index, record_mask=None, **options) -> LossOutput:
+    return dpo_loss(logp, ref_logp, mask, pair_index, record_mask=record_mask, **options)
+
+
+def _rpo_entry(logp, ref_logp, mask, *, pair_index, record_mask=None, **options) -> LossOutput:
+    return rpo_loss(logp, ref_logp, mask, pair_index, record_mask=record_mask, **options)
+
+
+def _kto_entry(logp, ref_logp, mask, *, correct, record_mask=None, **options) -> LossOutput:
+    return kto_loss(logp, ref_logp, mask, correct, record_mask=record_mask, **options)
+
+
+def _apo_entry(
+    logp, ref_logp, mask, *, rewards, group_ids, record_mask=None, **options
+) -> LossOutput:
+    return apo_loss(logp, ref_logp, mask, rewards, group_ids, record_mask=record_mask, **options)
+
+
+def _sft_entry(
+    logp, ref_logp, mask, *, correct=None, record_mask=None, positives_only: bool = True,
+    **options,
+) -> LossOutput:
+    del ref_logp  # SFT needs no reference; the uniform signature passes it anyway
+    weights = _record_weights(record_mask, int(jnp.shape(mask)[0]))
+    if positives_only and correct is not None:
+        weights = weights * jnp.asarray(correct).astype(jnp.float32)
+    return sft_loss(logp, mask, record_mask=weights, **options)
+
+
+def _uniform(entry: PreferenceLossFn) -> PreferenceLossFn:
+    """Accept every Batch field by keyword and pass on only what the loss needs."""
+    names = set(inspect.signature(entry).parameters)
+
+    def call(logp, ref_logp, mask, *, pair_index=None, rewards=None, correct=None,
+             group_ids=None, record_mask=None, **options) -> LossOutput:
+        fields = {"pair_index": pair_index, "rewards": rewards, "correct": correct,
+                  "group_ids": group_ids, "record_mask": record_mask}
+        needed = {k: v for k, v in fields.items() if k in names}
+        return entry(logp, ref_logp, mask, **needed, **options)
+
+    call.__doc__ = entry.__doc__
+    call.__name__ = entry.__name__.strip("_").replace("_entry", "")
+    return call
+
+
+# `PREFERENCE_LOSSES[name](logp, ref_logp, mask, *, pair_index=, rewards=, correct=,
+# group_ids=, record_mask=, **options)`: one signature for the train step; each loss reads the
+# Batch fields it needs and takes its own options (beta, alpha, ..., `positives_only` for sft).
+PREFERENCE_LOSSES: Mapping[str, PreferenceLossFn] = {
+    "dpo": _uniform(_dpo_entry),
+    "rpo": _uniform(_rpo_entry),
+    "kto": _uniform(_kto_entry),
+    "apo": _uniform(_apo_entry),
+    "sft": _uniform(_sft_entry),
+}

@@ -1,0 +1,311 @@
+"""`Decoder`: the Flax NNX decoder-only transformer for every supported family.
+
+Returns final hidden states (after the final norm), per the DESIGN contract; the loss takes
+log-probs from `hidden @ unembedding()` in chunks (SPEC §1). `logits()` is for sampling and
+tests only.
+
+Inputs
+  tokens [B, T] int32; segment_ids [B, T] (0 = padding, equal ids attend to each other,
+  causally; default all ones); positions [B, T] (RoPE positions; default `arange(T)` without a
+  cache, see `KVCache` with one). Packed rows: give each sequence its own segment id and
+  positions restarting at 0.
+
+Layers are either a `nnx.List` of `Block`s (`scan_layers=False`) or one `Block` whose
+parameters carry a leading "layers" axis and run under `jax.lax.scan` (`scan_layers=True`):
+same numerics, same HF names. Each layer is wrapped in `jax.checkpoint` with the policy named
+by `config.remat`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    attention_mask,
+    dot_product_attention,
+    make_param,
+    mlp,
+    project_out,
+    project_qkv,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    softcap,
+)
+
+Array = jax.Array
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@struct.dataclass
+class KVCache:
+    """Key/value cache for incremental decoding (a pytree; shapes are static).
+
+    k, v          [L, B, S, Hkv, D]  keys (after RoPE) and values of every layer
+    segment_ids   [B, S] int32       segment id of each slot; 0 = empty or padding (never seen)
+    positions     [B, S] int32       RoPE position of each slot (for the sliding window)
+    index         [] int32           next slot to write (the same for every row)
+    lengths       [B] int32          number of non-padding tokens written per row
+
+    A call with T tokens writes them to slots [index, index + T) of every row, then
+    index += T and lengths += (number of tokens with segment id ≠ 0). Queries see cache slots
+    that are non-padding, in the same segment, at or before their own slot (and within the
+    sliding window by position). Default positions with a cache continue each row:
+    `lengths[:, None] + cumsum(segment_ids != 0) - 1`, so a left- or right-padded prompt
+    (segment_ids = its attention mask) gets positions 0..n-1 on its real tokens and each
+    decode step (segment_ids = 1) gets the row's next position. Writing past S is not checked
+    inside jit: the caller must keep index + T ≤ S. Attention always spans all S slots (static
+    shapes); k/v are updated with dynamic_update_slice, in place when the cache is a loop
+    carry (`lax.while_loop` / `fori_loop`) or a donated jit argument.
+    """
+
+    k: Array
+    v: Array
+    segment_ids: Array
+    positions: Array
+    index: Array
+    lengths: Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class Block(nnx.Module):
+    """One decoder layer's parameters (optionally stacked `stack` deep for the scan)."""
+
+    def __init__(self, config: DecoderConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+        d = config.hidden_size
+        self.attn_norm = RMSNorm(d, config, stack=stack)
+        self.attn = Attention(config, rngs, stack=stack)
+        self.mlp_norm = RMSNorm(d, config, stack=stack)
+        self.mlp = MLP(config, rngs, stack=stack)
+        if config.is_gemma:
+            self.post_attn_norm = RMSNorm(d, config, stack=stack)
+            self.post_mlp_norm = RMSNorm(d, config, stack=stack)
+
+
+def block_forward(
+    p: dict[str, Any],
+    x: Array,
+    cos: Array,
+    sin: Array,
+    mask: Array,
+    kv: tuple[Array, Array] | None,
+    layer_index: Array | int,
+    cache_index: Array | None,
+    config: DecoderConfig,
+) -> tuple[Array, tuple[Array, Array] | None]:
+    """One pre-norm layer on the pure parameter dict `p`.
+
+    kv: the whole stacked cache (k, v) [L, B, S, Hkv, D] or None; this layer's new keys and
+    values are written into it in place (one dynamic_update_slice on the loop-carried buffer,
+    so a decode step never copies the cache) and the updated pair is returned.
+    """
+    c = config
+    norm = lambda h, name: rms_norm(h, p[name]["scale"], eps=c.rms_norm_eps, gemma=c.is_gemma)
+    q, k, v = project_qkv(p["attn"], norm(x, "attn_norm"), cos, sin, c)
+    if kv is not None:
+        ck, cv = kv
+        start = (layer_index, 0, cache_index, 0, 0)
+        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), start)
+        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), start)
+        kv = (ck, cv)
+        k = jax.lax.dynamic_index_in_dim(ck, layer_index, 0, keepdims=False).astype(q.dtype)
+        v = jax.lax.dynamic_index_in_dim(cv, layer_index, 0, keepdims=False).astype(q.dtype)
+    attn = dot_product_attention(q, k, v, mask, scale=c.attn_scale,
+                                 logit_softcap=c.attn_logit_softcap)
+    h = project_out(p["attn"], attn, c)
+    if c.is_gemma:
+        h = norm(h, "post_attn_norm")
+    x = x + h
+    h = mlp(p["mlp"], norm(x, "mlp_norm"), c)
+    if c.is_gemma:
+        h = norm(h, "post_mlp_norm")
+    return x + h, kv
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / SmolLM2 / Gemma 2).
+
+    Parameters and logical axes (prefix "layers" on layer params when `scan_layers`):
+      embed [V, d] ("vocab", "embed"); lm_head [d, V] ("embed", "vocab") when untied;
+      final_norm.scale [d] ("norm",); per layer: attn_norm / mlp_norm (/ post_attn_norm /
+      post_mlp_norm for Gemma 2) .scale [d] ("norm",); attn.q [d, Hq, D]
+      ("embed", "q_heads", "head_dim"); attn.k, attn.v [d, Hkv, D] ("embed", "kv_heads",
+      "head_dim"); attn.o [Hq, D, d] ("q_heads", "head_dim", "embed"); attn.q_bias [Hq, D],
+      attn.k_bias / v_bias [Hkv, D]; attn.o_bias [d] ("embed",); attn.q_norm / k_norm .scale
+      [D] ("norm",); mlp.gate, mlp.up [d, F] ("embed", "mlp"); mlp.down [F, d] ("mlp", "embed").
+
+    Built with eager sharding off by default, so no mesh is needed; read the annotations with
+    `logical_axes(model)` (or `nnx.get_partition_spec(nnx.state(model))`).
+    """
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, eager_sharding: bool = False):
+        c = config
+        with nnx.use_eager_sharding(eager_sharding):
+            self.embed = make_param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+                                    dtype=c.param_jnp_dtype, init="normal", stack=None)
+            if c.scan_layers:
+                self.layers = Block(c, rngs, stack=c.num_layers)
+            else:
+                self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
+            self.final_norm = RMSNorm(c.hidden_size, c)
+            if not c.tie_embeddings:
+                self.lm_head = make_param(rngs, (c.hidden_size, c.vocab_size),
+                                          ("embed", "vocab"), dtype=c.param_jnp_dtype,
+                                          init="normal", stack=None)
+        self.config = c
+        self.final_logit_softcap: float | None = c.final_logit_softcap
+
+    # ---- public API -----------------------------------------------------------------------
+    def unembedding(self) -> Array:
+        """[d, V]: the embedding table transposed when tied, else lm_head."""
+        if self.config.tie_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def logits(self, hidden: Array) -> Array:
+        """[B, T, V] float32 logits (soft-capped for Gemma 2). Sampling and tests only."""
+        out = jnp.einsum("btd,dv->btv", hidden, self.unembedding().astype(hidden.dtype),
+                         preferred_element_type=jnp.float32)
+        return softcap(out, self.final_logit_softcap)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty `KVCache` for `batch_size` rows of up to `max_len` tokens (compute dtype)."""
+        c = self.config
+        dtype = dtype or c.compute_jnp_dtype
+        shape = (c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim)
+        return KVCache(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            segment_ids=jnp.zeros((batch_size, max_len), jnp.int32),
+            positions=jnp.zeros((batch_size, max_len), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    def __call__(
+        self,
+        tokens: Array,
+        *,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        cache: KVCache | None = None,
+    ) -> Array | tuple[Array, KVCache]:
+        """Hidden states [B, T, d] after the final norm; `(hidden, new_cache)` with a cache."""
+        c = self.config
+        chex.assert_rank(tokens, 2)
+        b, t = tokens.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        segment_ids = segment_ids.astype(jnp.int32)
+        chex.assert_shape(segment_ids, (b, t))
+        if positions is None:
+            if cache is None:
+                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            else:
+                counted = jnp.cumsum((segment_ids != 0).astype(jnp.int32), axis=1)
+                positions = jnp.maximum(cache.lengths[:, None] + counted - 1, 0)
+        positions = positions.astype(jnp.int32)
+        chex.assert_shape(positions, (b, t))
+
+        dt = c.compute_jnp_dtype
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        if c.is_gemma:
+            # HF multiplies by sqrt(d) rounded to the activation dtype.
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), dtype=dt)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(c))
+
+        q_slots = jnp.arange(t, dtype=jnp.int32)
+        if cache is None:
+            kv_seg, kv_pos, kv_slots = segment_ids, positions, q_slots
+            cache_index = None
+        else:
+            chex.assert_shape(cache.segment_ids, (b, None))
+            cache_index = cache.index
+            q_slots = q_slots + cache_index
+            kv_seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids,
+                                                  (0, cache_index))
+            kv_pos = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache_index))
+            kv_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+        sliding = c.sliding_layers
+        masks = {
+            kind: attention_mask(segment_ids, positions, q_slots, kv_seg, kv_pos, kv_slots,
+                                 c.sliding_window if kind else None)
+            for kind in set(sliding)
+        }
+
+        def layer(p, x, is_sliding, kv, layer_index):
+            if len(masks) == 1:
+                mask = next(iter(masks.values()))
+            elif isinstance(is_sliding, bool):
+                mask = masks[is_sliding]
+            else:
+                mask = jnp.where(is_sliding, masks[True], masks[False])
+            return block_forward(p, x, cos, sin, mask, kv, layer_index, cache_index, c)
+
+        if c.remat != "none":
+            policy = REMAT_POLICIES[c.remat]
+            if c.scan_layers:  # under scan CSE cannot undo the remat, so skip its barrier
+                layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+            else:  # unrolled: `is_sliding` and the index are Python values, static
+                layer = jax.checkpoint(layer, policy=policy, static_argnums=(2, 4))
+
+        kv = None if cache is None else (cache.k, cache.v)
+        if c.scan_layers:
+            params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+
+            def body(carry, xs):
+                x, kv = carry
+                p, is_sliding, layer_index = xs
+                return layer(p, x, is_sliding, kv, layer_index), None
+
+            xs = (params, jnp.asarray(sliding), jnp.arange(c.num_layers, dtype=jnp.int32))
+            (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
+        else:
+            for i, block in enumerate(self.layers):
+                p = nnx.to_pure_dict(nnx.state(block, nnx.Param))
+                x, kv = layer(p, x, sliding[i], kv, i)
+
+        hidden = rms_norm(x, self.final_norm.scale[...], eps=c.rms_norm_eps, gemma=c.is_gemma)
+        if cache is None:
+            return hidden
+        new_cache = KVCache(
+            k=kv[0],
+            v=kv[1],
+            segment_ids=kv_seg,
+            positions=kv_pos,
+            index=cache.index + t,
+            lengths=cache.lengths + jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32),
+        )
+        return hidden, new_cache
+
+
+def logical_axes(model: nnx.Module) -> Any:
+    """A `nnx.State` shaped like the model's params whose leaves are tuples of logical names.
+
+    E.g. `logical_axes(model)["layers"][0]["attn"]["q"]` == ("embed", "q_heads", "head_dim")
+    (scanned: `["layers"]["attn"]["q"]` == ("layers", "embed", "q_heads", "head_dim")).
+    """
+    state = nnx.state(model, nnx.Param)
+    return jax.tree.map(
+        lambda v: tuple(v.get_metadata()["out_sharding"]),
+        state,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )

@@ -1,0 +1,254 @@
+"""Building blocks of the decoder: parameters with logical axes, RMSNorm, RoPE, attention, MLP.
+
+Math follows the Hugging Face PyTorch implementations the checkpoints were trained with
+(`modeling_llama.py`, `modeling_gemma2.py`, `modeling_rope_utils.py` of transformers 5):
+rotate-half RoPE, RMSNorm in float32, softmax in float32.
+
+Every parameter carries logical axis names (metadata `out_sharding`) from this vocabulary:
+"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm", and "layers" for the
+stacked axis of scanned layers; `parallel/` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm.models.config import DecoderConfig
+
+Array = jax.Array
+# Large negative (not -inf) so a fully masked row (a padding query) stays finite.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def make_param(
+    rngs: nnx.Rngs | None,
+    shape: Sequence[int],
+    axes: Sequence[str],
+    *,
+    dtype: Any,
+    init: str,
+    stack: int | None,
+) -> nnx.Param:
+    """One parameter, optionally stacked with a leading "layers" axis of size `stack`.
+
+    `init`: "normal" (std 0.02, HF's initializer_range), "zeros" or "ones".
+    """
+    full_shape = tuple(shape) if stack is None else (stack, *shape)
+    full_axes = tuple(axes) if stack is None else ("layers", *axes)
+    if init == "normal":
+        value = 0.02 * jax.random.normal(rngs.params(), full_shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(full_shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(full_shape, jnp.float32)
+    else:
+        raise ValueError(f"unknown init {init!r}")
+    return nnx.Param(value.astype(dtype), out_sharding=full_axes)
+
+
+# ---- normalisation -----------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+    """Holds an RMSNorm scale ("norm" axis); Gemma style stores w with the (1 + w) form, w = 0."""
+
+    def __init__(self, size: int, config: DecoderConfig, *, stack: int | None = None):
+        self.scale = make_param(None, (size,), ("norm",), dtype=config.param_jnp_dtype,
+                                init="zeros" if config.is_gemma else "ones", stack=stack)
+
+
+def rms_norm(x: Array, scale: Array, *, eps: float, gemma: bool) -> Array:
+    """y = x / sqrt(mean(x²) + eps) · w  (Gemma: · (1 + w)), computed in float32."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = scale.astype(jnp.float32)
+    return (y * (1.0 + w if gemma else w)).astype(x.dtype)
+
+
+# ---- rotary position embedding -------------------------------------------------------------
+
+
+def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] incl. "linear" and Llama 3 ("llama3") scaling.
+
+    Same formulas as transformers' `_compute_default/linear/llama3_rope_parameters`.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64)
+                                            .astype(np.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    # llama3: long wavelengths scaled by 1/factor, short kept, a smooth ramp in between.
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """cos, sin [B, T, head_dim] (the two halves repeated, HF rotate-half layout), float32."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """x [B, T, H, D] rotated: x·cos + rotate_half(x)·sin, rotate_half(x) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+# ---- masks ---------------------------------------------------------------------------------
+
+
+def attention_mask(
+    q_segment_ids: Array,
+    q_positions: Array,
+    q_slots: Array,
+    kv_segment_ids: Array,
+    kv_positions: Array,
+    kv_slots: Array,
+    sliding_window: int | None,
+) -> Array:
+    """Boolean [B, T, S]: key s visible to query t.
+
+    Visible iff the key is not padding (segment id ≠ 0), in the query's segment, not later
+    than the query (by slot: packed rows and caches hold keys in write order) and, with a
+    sliding window, q_pos − k_pos < window (positions, so padding does not use up the window).
+    """
+    same = (kv_segment_ids[:, None, :] == q_segment_ids[:, :, None]) & (
+        kv_segment_ids[:, None, :] != 0
+    )
+    causal = kv_slots[None, None, :] <= q_slots[None, :, None]
+    mask = same & causal
+    if sliding_window is not None:
+        mask &= (q_positions[:, :, None] - kv_positions[:, None, :]) < sliding_window
+    return mask
+
+
+# ---- attention and MLP ---------------------------------------------------------------------
+
+
+def softcap(x: Array, cap: float | None) -> Array:
+    """cap · tanh(x / cap) (Gemma 2 logit soft-capping); identity when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def dot_product_attention(
+    q: Array, k: Array, v: Array, mask: Array, *, scale: float, logit_softcap: float | None
+) -> Array:
+    """Grouped-query attention. q [B,T,Hq,D], k/v [B,S,Hkv,D], mask [B,T,S] -> [B,T,Hq,D].
+
+    Logits and softmax in float32; the weighted sum in the value dtype.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = softcap(logits * scale, logit_softcap)
+    logits = jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, hq, d)
+
+
+class Attention(nnx.Module):
+    """Attention parameters: GQA projections, optional q/k/v(/o) bias, Qwen3 q/k RMSNorm."""
+
+    def __init__(self, config: DecoderConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+        c = config
+        p = dict(dtype=c.param_jnp_dtype, stack=stack)
+        d, hq, hkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.q = make_param(rngs, (d, hq, hd), ("embed", "q_heads", "head_dim"),
+                            init="normal", **p)
+        self.k = make_param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"),
+                            init="normal", **p)
+        self.v = make_param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"),
+                            init="normal", **p)
+        self.o = make_param(rngs, (hq, hd, d), ("q_heads", "head_dim", "embed"),
+                            init="normal", **p)
+        if c.qkv_bias:
+            self.q_bias = make_param(rngs, (hq, hd), ("q_heads", "head_dim"), init="zeros", **p)
+            self.k_bias = make_param(rngs, (hkv, hd), ("kv_heads", "head_dim"), init="zeros", **p)
+            self.v_bias = make_param(rngs, (hkv, hd), ("kv_heads", "head_dim"), init="zeros", **p)
+        if c.o_bias:
+            self.o_bias = make_param(rngs, (d,), ("embed",), init="zeros", **p)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, c, stack=stack)
+            self.k_norm = RMSNorm(hd, c, stack=stack)
+
+
+def project_qkv(
+    p: dict[str, Any], x: Array, cos: Array, sin: Array, config: DecoderConfig
+) -> tuple[Array, Array, Array]:
+    """x [B,T,d] -> RoPE-rotated q [B,T,Hq,D], rotated k and v [B,T,Hkv,D] (compute dtype).
+
+    `p` is the pure dict of one layer's `Attention` parameters.
+    """
+    c = config
+    dt = c.compute_jnp_dtype
+    x = x.astype(dt)
+    q = jnp.einsum("btd,dhk->bthk", x, p["q"].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, p["k"].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, p["v"].astype(dt))
+    if c.qkv_bias:
+        q = q + p["q_bias"].astype(dt)
+        k = k + p["k_bias"].astype(dt)
+        v = v + p["v_bias"].astype(dt)
+    if c.qk_norm:
+        q = rms_norm(q, p["q_norm"]["scale"], eps=c.rms_norm_eps, gemma=c.is_gemma)
+        k = rms_norm(k, p["k_norm"]["scale"], eps=c.rms_norm_eps, gemma=c.is_gemma)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def project_out(p: dict[str, Any], attn: Array, config: DecoderConfig) -> Array:
+    """Attention output [B,T,Hq,D] -> [B,T,d] through o (and its bias)."""
+    dt = config.compute_jnp_dtype
+    out = jnp.einsum("bthk,hkd->btd", attn.astype(dt), p["o"].astype(dt))
+    if config.o_bias:
+        out = out + p["o_bias"].astype(dt)
+    return out
+
+
+class MLP(nnx.Module):
+    """Gated MLP parameters: gate/up [d, F] ("embed", "mlp"), down [F, d]."""
+
+    def __init__(self, config: DecoderConfig, rngs: nnx.Rngs, *, stack: int | None = None):
+        c = config
+        p = dict(dtype=c.param_jnp_dtype, stack=stack, init="normal")
+        self.gate = make_param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), **p)
+        self.up = make_param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), **p)
+        self.down = make_param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), **p)
+
+
+def mlp(p: dict[str, Any], x: Array, config: DecoderConfig) -> Array:
+    """down(act(gate(x)) · up(x)); act = SiLU (SwiGLU) or tanh-GELU (Gemma's GeGLU)."""
+    dt = config.compute_jnp_dtype
+    x = x.astype(dt)
+    act: Callable[[Array], Array] = (
+        jax.nn.silu if config.hidden_act == "silu"
+        else lambda h: jax.nn.gelu(h, approximate=True)
+    )
+    h = act(x @ p["gate"].astype(dt)) * (x @ p["up"].astype(dt))
+    return h @ p["down"].astype(dt)
