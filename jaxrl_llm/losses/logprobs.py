@@ -1,0 +1,363 @@
+"""Token log-probs, entropy and FPA extrapolated log-probs without materialising logits.
+
+SPEC §1: for final hidden states `H [B,T,d]` and an unembedding `W [d,V]`,
+
+    logπ_t = z_t[y_t] − logsumexp_v z_t,v        z = H W
+
+and (FPA, 002 eq. 4) `z = (1+λ) H W − λ H_ref W_ref`. The `B×T×V` float32 logits never exist
+at once, neither in the forward nor in the backward pass: the vocabulary is processed in
+chunks of `chunk_size` columns with an online logsumexp, and a `jax.custom_vjp` recomputes
+each logit chunk in the backward pass (one extra matmul per logit term) instead of saving it.
+Peak temporary memory is O(B·T·chunk_size) instead of O(B·T·V).
+
+Both public functions are thin callers of one kernel, `_chunked_logprobs`, which evaluates
+logits of the general form
+
+    z = Σ_i c_i · cap(H_i W_i)        cap(x) = s·tanh(x/s)   (identity when softcap is None)
+
+with coefficients `c` that may be traced (temperature 1/τ, FPA's (1+λ)/τ and −λ/τ).
+Gradients flow to every `H_i`, `W_i` and to the coefficients (hence to a traced temperature
+or λ). Matmuls accumulate in float32 (`preferred_element_type`); bf16 inputs are accepted and
+their gradients are returned in bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Chosen from benchmarks/kernels.py (SmolLM2-135M sizes, fp32, CPU): see docs/kernels.md.
+DEFAULT_CHUNK_SIZE = 4096
+
+Term = tuple[jax.Array, jax.Array]  # (hidden [N, d_i], unembed [d_i, V])
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+def _cap(x: jax.Array, softcap: float | None) -> jax.Array:
+    return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
+
+def _chunk_logits(
+    terms: Sequence[Term], coefs: jax.Array, start: jax.Array | int, size: int,
+    softcap: float | None,
+) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+    """Logits of vocabulary columns [start, start+size): `z [N,size]`, and per term the raw
+    `x_i = H_i W_i[:, cols]` (float32) and its capped value (both kept for the backward)."""
+    raws, capped = [], []
+    z = None
+    for i, (h, w) in enumerate(terms):
+        w_chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
+        x = jnp.matmul(h, w_chunk, preferred_element_type=jnp.float32)
+        cx = _cap(x, softcap)
+        raws.append(x)
+        capped.append(cx)
+        z = coefs[i] * cx if z is None else z + coefs[i] * cx
+    return z, raws, capped
+
+
+def _target_logit_in_chunk(z: jax.Array, targets: jax.Array, start, size: int) -> jax.Array:
+    """`z[n, targets[n] − start]` where the target falls in this chunk, else 0."""
+    local = targets - start
+    inside = (local >= 0) & (local < size)
+    picked = jnp.take_along_axis(z, jnp.clip(local, 0, size - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(inside, picked, 0.0)
+
+
+def _chunk_starts(vocab: int, chunk_size: int) -> tuple[int, int]:
+    """(number of full chunks, width of the remainder chunk); the remainder is processed as
+    its own statically-shaped chunk, so V need not be a multiple of chunk_size."""
+    return vocab // chunk_size, vocab % chunk_size
+
+
+def _forward_stats(terms, coefs, targets, chunk_size, softcap):
+    """One pass over the vocabulary: target logit, logsumexp and Σ_v softmax·z (entropy)."""
+    n = targets.shape[0]
+    vocab = terms[0][1].shape[1]
+    n_full, rem = _chunk_starts(vocab, chunk_size)
+
+    def update(carry, start, size):
+        m, s, a, tgt = carry
+        z, _, _ = _chunk_logits(terms, coefs, start, size, softcap)
+        m_new = jnp.maximum(m, jnp.max(z, axis=1))
+        rescale = jnp.exp(m - m_new)  # online logsumexp: shift the running sums to the new max
+        e = jnp.exp(z - m_new[:, None])
+        s = s * rescale + jnp.sum(e, axis=1)
+        a = a * rescale + jnp.sum(e * z, axis=1)
+        tgt = tgt + _target_logit_in_chunk(z, targets, start, size)
+        return m_new, s, a, tgt
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    carry = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+    if n_full:
+        carry, _ = jax.lax.scan(
+            lambda c, i: (update(c, i * chunk_size, chunk_size), None),
+            carry, jnp.arange(n_full),
+        )
+    if rem:
+        carry = update(carry, n_full * chunk_size, rem)
+    m, s, a, tgt = carry
+    lse = m + jnp.log(s)
+    entropy = lse - a / s  # −Σ p log p = lse − Σ p z
+    in_vocab = (targets >= 0) & (targets < vocab)
+    # Out-of-range targets give NaN (as a gather out of bounds would), never a wrong number.
+    logp = jnp.where(in_vocab, tgt - lse, jnp.nan)
+    return logp, entropy, lse
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_logprobs(terms, coefs, targets, chunk_size, softcap):
+    logp, entropy, _ = _forward_stats(terms, coefs, targets, chunk_size, softcap)
+    return logp, entropy
+
+
+def _chunked_logprobs_fwd(terms, coefs, targets, chunk_size, softcap):
+    logp, entropy, lse = _forward_stats(terms, coefs, targets, chunk_size, softcap)
+    # Residuals are the inputs and two [N] vectors: no logits are saved.
+    return (logp, entropy), (terms, coefs, targets, lse, entropy)
+
+
+def _chunked_logprobs_bwd(chunk_size, softcap, residuals, cotangents):
+    """Recompute each logit chunk and push the cotangents through it.
+
+    With p = softmax(z): ∂logπ/∂z_v = 1[v=y] − p_v and ∂H/∂z_v = −p_v (log p_v + H), so
+    dz = g_logp·(onehot − p) − g_ent·p·(z − lse + entropy); then through cap and the
+    coefficients to each H_i, W_i and c_i.
+    """
+    terms, coefs, targets, lse, entropy = residuals
+    g_logp, g_ent = cotangents
+    vocab = terms[0][1].shape[1]
+    n_full, rem = _chunk_starts(vocab, chunk_size)
+    g_logp = g_logp.astype(jnp.float32)
+    g_ent = g_ent.astype(jnp.float32)
+
+    def update(carry, start, size):
+        dhs, dws, dcoefs = carry
+        z, raws, capped = _chunk_logits(terms, coefs, start, size, softcap)
+        log_p = z - lse[:, None]
+        p = jnp.exp(log_p)
+        onehot = (start + jnp.arange(size))[None, :] == targets[:, None]
+        dz = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (log_p + entropy[:, None])
+        new_dhs, new_dws, new_dcoefs = [], [], []
+        for i, (h, w) in enumerate(terms):
+            dcap = dz * coefs[i]
+            if softcap is not None:
+                dcap = dcap * (1.0 - jnp.square(jnp.tanh(raws[i] / softcap)))
+            w_chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
+            dcap_in = dcap.astype(h.dtype)
+            new_dhs.append(
+                dhs[i] + jnp.matmul(dcap_in, w_chunk.T, preferred_element_type=jnp.float32)
+            )
+            dw_chunk = jnp.matmul(h.T, dcap_in, preferred_element_type=jnp.float32)
+            new_dws.append(
+                jax.lax.dynamic_update_slice_in_dim(dws[i], dw_chunk.astype(w.dtype), start, 1)
+            )
+            new_dcoefs.append(dcoefs[i] + jnp.sum(dz * capped[i]))
+        return new_dhs, new_dws, jnp.stack(new_dcoefs)
+
+    carry = (
+        [jnp.zeros(h.shape, jnp.float32) for h, _ in terms],
+        [jnp.zeros_like(w) for _, w in terms],
+        jnp.zeros(coefs.shape, jnp.float32),
+    )
+    if n_full:
+        carry, _ = jax.lax.scan(
+            lambda c, i: (update(c, i * chunk_size, chunk_size), None),
+            carry, jnp.arange(n_full),
+        )
+    if rem:
+        carry = update(carry, n_full * chunk_size, rem)
+    dhs, dws, dcoefs = carry
+    d_terms = tuple((dh.astype(h.dtype), dw) for dh, dw, (h, _) in zip(dhs, dws, terms))
+    return d_terms, dcoefs.astype(coefs.dtype), None
+
+
+_chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
+# Jitted so that eager callers (a scoring loop, a notebook) compile the kernel once per shape
+# instead of dispatching its ops one by one; inside an outer jit this is inlined.
+_chunked_logprobs_jit = jax.jit(_chunked_logprobs, static_argnums=(3, 4))
+
+
+# ----------------------------------------------------------------------- argument checks
+
+
+def _check_hidden_unembed(h_name: str, hidden, w_name: str, unembed) -> None:
+    hidden_shape, unembed_shape = jnp.shape(hidden), jnp.shape(unembed)
+    if len(hidden_shape) != 3:
+        raise ValueError(f"{h_name} must be [B, T, d]; got shape {hidden_shape}")
+    if len(unembed_shape) != 2:
+        raise ValueError(f"{w_name} must be [d, V]; got shape {unembed_shape}")
+    if hidden_shape[-1] != unembed_shape[0]:
+        raise ValueError(
+            f"{h_name} has d={hidden_shape[-1]} but {w_name} has d={unembed_shape[0]} "
+            f"({h_name} {hidden_shape}, {w_name} {unembed_shape})"
+        )
+    for name, arr in ((h_name, hidden), (w_name, unembed)):
+        if not jnp.issubdtype(jnp.result_type(arr), jnp.floating):
+            raise TypeError(f"{name} must be floating point; got dtype {jnp.result_type(arr)}")
+    if jnp.result_type(hidden) != jnp.result_type(unembed):
+        raise TypeError(
+            f"{h_name} ({jnp.result_type(hidden)}) and {w_name} ({jnp.result_type(unembed)}) "
+            "must have the same dtype; cast one of them explicitly"
+        )
+
+
+def _check_targets(targets, hidden_shape: tuple[int, ...], vocab: int) -> None:
+    if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
+        raise TypeError(f"targets must be integer token ids; got dtype {jnp.result_type(targets)}")
+    if tuple(jnp.shape(targets)) != tuple(hidden_shape[:2]):
+        raise ValueError(
+            f"targets shape {tuple(jnp.shape(targets))} must equal hidden's [B, T] = "
+            f"{tuple(hidden_shape[:2])}"
+        )
+    if not isinstance(targets, jax.core.Tracer):
+        host = np.asarray(targets)
+        bad = (host < 0) | (host >= vocab)
+        if bad.any():
+            where = np.argwhere(bad)[0].tolist()
+            raise ValueError(
+                f"targets must lie in [0, V={vocab}); {int(bad.sum())} do not "
+                f"(first at index {where}: {int(host[tuple(where)])})"
+            )
+
+
+def _check_positive(name: str, value, *, allow_zero: bool = False) -> None:
+    if isinstance(value, jax.core.Tracer):
+        return
+    arr = np.asarray(value)
+    if arr.shape != ():
+        raise ValueError(f"{name} must be a scalar; got shape {arr.shape}")
+    ok = (arr >= 0) if allow_zero else (arr > 0)
+    if not (np.isfinite(arr) and ok):
+        bound = "≥ 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}; got {value!r}")
+
+
+def _check_options(chunk_size, softcap, temperature) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer):
+        raise TypeError(f"chunk_size must be a Python int (static); got {chunk_size!r}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0; got {chunk_size}")
+    if softcap is not None:
+        if isinstance(softcap, jax.core.Tracer):
+            raise TypeError("softcap must be a Python float or None (static), not a traced value")
+        _check_positive("softcap", softcap)
+    _check_positive("temperature", temperature)
+
+
+# -------------------------------------------------------------------------- public API
+
+
+def token_logprobs(
+    hidden: jax.Array,
+    unembed: jax.Array,
+    targets: jax.Array,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_entropy: bool = False,
+    temperature: float | jax.Array = 1.0,
+    softcap: float | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Per-token log-probs `logπ_t = z_t[y_t] − logsumexp(z_t)` (SPEC §1), chunked.
+
+    Args:
+      hidden: final hidden states `[B, T, d]` (float32 or bf16).
+      unembed: unembedding `[d, V]`, same dtype as `hidden` (for tied embeddings pass the
+        transposed embedding table).
+      targets: token ids `[B, T]` in `[0, V)`; position t is scored against `hidden[:, t]`
+        (shift by one outside this function).
+      chunk_size: vocabulary columns per chunk (static). Peak temporary memory is about
+        `4 · B·T·chunk_size` float32 elements instead of the naive `≥ 2 · B·T·V`; V need not
+        be a multiple of it.
+      return_entropy: also return the per-token entropy `−Σ_v p_v log p_v` (with gradient).
+      temperature: the sampling temperature τ (SPEC §0): `z ← z / τ`; may be traced.
+      softcap: Gemma 2's final-logit soft-capping `z ← s·tanh(z / s)`, applied before τ.
+
+    Returns:
+      `logp [B, T]` float32, or `(logp, entropy)` when `return_entropy`. Gradients flow to
+      `hidden`, `unembed` and a traced `temperature`; the backward pass recomputes logit
+      chunks (one extra matmul) instead of storing them. Out-of-range targets raise when
+      `targets` is concrete and give NaN under `jit`.
+    """
+    _check_hidden_unembed("hidden", hidden, "unembed", unembed)
+    _check_targets(targets, jnp.shape(hidden), jnp.shape(unembed)[1])
+    _check_options(chunk_size, softcap, temperature)
+    b, t, d = hidden.shape
+    coefs = jnp.reshape(1.0 / jnp.asarray(temperature, jnp.float32), (1,))
+    terms = ((hidden.reshape(b * t, d), unembed),)
+    logp, entropy = _chunked_logprobs_jit(
+        terms, coefs, targets.reshape(b * t), int(chunk_size), softcap
+    )
+    chex.assert_shape((logp, entropy), (b * t,))
+    logp = logp.reshape(b, t)
+    return (logp, entropy.reshape(b, t)) if return_entropy else logp
+
+
+def extrapolated_logprobs(
+    hidden: jax.Array,
+    unembed: jax.Array,
+    ref_hidden: jax.Array,
+    ref_unembed: jax.Array,
+    targets: jax.Array,
+    *,
+    lam: float | jax.Array,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float | jax.Array = 1.0,
+    softcap: float | None = None,
+) -> jax.Array:
+    """FPA's extrapolated log-probs `log π̂_t = z_t[y_t] − logsumexp(z_t)` (SPEC §1, 002 eq. 4).
+
+    `z = ((1+λ) cap(H W) − λ cap(H_ref W_ref)) / τ`: the extrapolation acts on each model's
+    final logits (soft-capped per model when `softcap` is set, as the model itself would),
+    then the sampling temperature. Same chunked kernel as `token_logprobs`; neither model's
+    `B×T×V` logits exist at once. The reference model may have a different hidden size.
+
+    Gradients are exact and flow to all four arrays and to a traced `lam`/`temperature`;
+    FPA's loss (002 eq. 3, SPEC §3) wraps the result in `stop_gradient`, in which case no
+    backward pass is built at all.
+
+    Args:
+      hidden, unembed: the trained policy's final hidden states `[B,T,d]` and unembedding
+        `[d,V]`.
+      ref_hidden, ref_unembed: the frozen reference model's `[B,T,d_ref]` and `[d_ref,V]`.
+      targets: token ids `[B, T]` in `[0, V)`.
+      lam: extrapolation strength λ ≥ 0 (may be traced, e.g. a schedule value).
+      chunk_size, temperature, softcap: as in `token_logprobs`.
+    Returns:
+      `logp_hat [B, T]` float32.
+    """
+    _check_hidden_unembed("hidden", hidden, "unembed", unembed)
+    _check_hidden_unembed("ref_hidden", ref_hidden, "ref_unembed", ref_unembed)
+    if tuple(jnp.shape(ref_hidden)[:2]) != tuple(jnp.shape(hidden)[:2]):
+        raise ValueError(
+            f"ref_hidden [B, T] = {tuple(jnp.shape(ref_hidden)[:2])} must equal hidden's "
+            f"{tuple(jnp.shape(hidden)[:2])}"
+        )
+    if jnp.shape(ref_unembed)[1] != jnp.shape(unembed)[1]:
+        raise ValueError(
+            f"ref_unembed has V={jnp.shape(ref_unembed)[1]} but unembed has "
+            f"V={jnp.shape(unembed)[1]}; both models must share the vocabulary"
+        )
+    _check_targets(targets, jnp.shape(hidden), jnp.shape(unembed)[1])
+    _check_options(chunk_size, softcap, temperature)
+    _check_positive("lam", lam, allow_zero=True)
+    if not isinstance(lam, jax.core.Tracer) and float(lam) == 0.0:
+        # π̂ = π at λ = 0: skip the reference model's matmuls (and match token_logprobs bitwise).
+        return token_logprobs(hidden, unembed, targets, chunk_size=chunk_size,
+                              temperature=temperature, softcap=softcap)
+    b, t, d = hidden.shape
+    inv_tau = 1.0 / jnp.asarray(temperature, jnp.float32)
+    lam = jnp.asarray(lam, jnp.float32)
+    coefs = jnp.stack([(1.0 + lam) * inv_tau, -lam * inv_tau])
+    terms = (
+        (hidden.reshape(b * t, d), unembed),
+        (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed),
+    )
+    logp, _ = _chunked_logprobs_jit(terms, coefs, targets.reshape(b * t), int(chunk_size), softcap)
+    return logp.reshape(b, t)
