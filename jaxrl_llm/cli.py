@@ -16,6 +16,17 @@ from collections.abc import Sequence
 # name -> (module implementing it, one-line help). Only commands that exist are listed.
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("jaxrl_llm.config_cli", "print the resolved configuration (YAML + overrides)"),
+    "plan": ("jaxrl_llm.plan", "compile the train step for a mesh/TPU topology; per-device memory and FLOPs"),
+    "data": ("jaxrl_llm.data.cli", "inspect record shards: show | stats | export-jsonl"),
+    "generate": ("jaxrl_llm.generate.cli", "sample completions (jax or vllm) and write scored records"),
+    "score": ("jaxrl_llm.generate.score_cli", "write μ per-token log-probs with the trainer's numerics"),
+    "curate": ("jaxrl_llm.data.curate_cli", "select a training set from records (SPEC §7)"),
+    "report": ("jaxrl_llm.eval.report", "PNG plots and a Markdown summary of a run directory"),
+    "train": ("jaxrl_llm.train.trainer", "train on scored records; resumes from the latest checkpoint"),
+    "export": ("jaxrl_llm.export", "write a training checkpoint as an HF directory (atomic)"),
+    "evaluate": ("jaxrl_llm.eval.evaluate", "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json"),
+    "iterate": ("jaxrl_llm.iterate", "generate → score → curate → train → export → evaluate, per iteration"),
+    "quickstart": ("jaxrl_llm.quickstart", "the whole flow on CPU in minutes: SFT, TOPR, before/after table"),
 }
 
 

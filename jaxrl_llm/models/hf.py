@@ -6,7 +6,7 @@ both the forward and the inverse reshape/transpose). Loading validates everythin
 architecture, every tensor name (missing and unexpected), every shape — before a model is
 built, so a bad checkpoint never yields a half-loaded model. Export writes safetensors shards
 (+ index), `config.json`, `generation_config.json` and tokenizer files that
-`transformers.AutoModelForCausalLM.from_pretrained` and vLLM read. Never pickle.
+`transformers.AutoModelForCausalLM.from_pretrained` and vLLM read. Weights are only ever read and written as safetensors.
 """
 
 from __future__ import annotations
@@ -403,7 +403,7 @@ def _safetensors_files(hf_dir: Path) -> dict[str, Path]:
     if not candidates:
         found = sorted(p.name for p in hf_dir.iterdir())
         raise CheckpointError(f"{hf_dir}: no *.safetensors weights (found {found}); "
-                              "pickled .bin checkpoints are not read")
+                              "PyTorch .bin checkpoints are not read (convert to safetensors)")
     files: dict[str, Path] = {}
     for path in candidates:
         with safetensors.safe_open(str(path), framework="numpy") as f:

@@ -1,0 +1,6 @@
+"""Tasks: problems, prompts, answer extraction and reward functions (SPEC §8)."""
+
+from jaxrl_llm.tasks.base import Problem, RewardResult, Task
+from jaxrl_llm.tasks.registry import get_task, register_task, task_names
+
+__all__ = ["Problem", "RewardResult", "Task", "get_task", "register_task", "task_names"]

@@ -1,0 +1,155 @@
+"""Decode throughput: our JAX KV-cache sampler vs transformers' `generate` (PyTorch CPU).
+
+Same weights for both: the packaged SmolLM2-135M-Instruct GGUF, dequantised to float32 by
+each framework's own loader (ours: `jaxrl_llm.models.gguf.load_gguf`; PyTorch:
+`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`). Greedy decoding of exactly
+`--new-tokens` tokens (no stop token) from a chat prompt repeated `batch` times, PyTorch on
+`--threads` threads. Each configuration: one warm-up run of each (JAX compiles there), then
+`--runs` runs alternating ours / PyTorch (fair under a changing machine load); the median wall
+time gives tokens/s = batch × new tokens / time (prefill included for both).
+
+    python benchmarks/generate.py                 # batch 1 and 32, 128 new tokens, 5 runs
+    python benchmarks/generate.py --batch-sizes 32 --runs 3
+
+Writes benchmarks/results/generate.json and generate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a libtpu wheel may be installed alongside
+
+import jax
+import numpy as np
+
+from jaxrl_llm.models.gguf import load_gguf
+from jaxrl_llm.models.packaged import smollm2_gguf_path
+from jaxrl_llm.models.sampler import Sampler, SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+def _interleaved_median_times(fns: dict, runs: int) -> tuple[dict, dict, dict]:
+    """Warm up every fn once (JAX compiles there), then time them in alternation, run by run,
+    so a change in the load of the shared machine hits all of them alike."""
+    outputs = {name: fn() for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            outputs[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}, times, outputs
+
+
+def ours_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: int):
+    sampler = Sampler(model, pad_token_id=pad, batch_size=batch)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    prompts = [prompt_ids] * batch
+
+    def run():
+        out = sampler.generate(prompts, params, jax.random.key(0))
+        return out.tokens  # numpy: the device work has finished
+
+    return run
+
+
+def torch_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: int):
+    import torch
+
+    inputs = torch.tensor([prompt_ids] * batch)
+    attention = torch.ones_like(inputs)
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(inputs, attention_mask=attention, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        return out[:, len(prompt_ids):].numpy()
+
+    return run
+
+
+def _write(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
+    table = [
+        "| batch | new tokens | ours tok/s | transformers tok/s | speedup | load avg |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *(f"| {r['batch']} | {r['new_tokens']} | {r['ours_tokens_per_s']:.1f} | "
+          f"{r['torch_tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+          f"{r['load_average'][0]:.0f}–{r['load_average'][1]:.0f} |" for r in rows),
+    ]
+    markdown = (f"# Decode throughput ({meta['benchmark']})\n\n"
+                f"Median of {args.runs} runs after warm-up; PyTorch {args.threads} threads; "
+                f"{os.cpu_count()} CPU cores.\n\n" + "\n".join(table) + "\n")
+    args.out.with_suffix(".md").write_text(markdown)
+    print(markdown, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "generate.json")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    path = smollm2_gguf_path()
+    ours = load_gguf(path)
+    tok = ours.tokenizer
+    prompt_ids = tok(tok.apply_chat_template(PROMPT, tokenize=False,
+                                             add_generation_prompt=True))["input_ids"]
+    pad = tok.pad_token_id
+    torch_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                       dtype=torch.float32).eval()
+
+    meta = dict(
+        benchmark="decode tokens/s, greedy, SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, fp32)",
+        model_file=path.name, runs=args.runs, statistic="median after 1 warm-up run, runs interleaved",
+        torch_threads=args.threads, jax=jax.__version__, torch=torch.__version__,
+        cpu_count=os.cpu_count(), machine=platform.machine(), python=sys.version.split()[0],
+    )
+    rows = []
+    for batch in args.batch_sizes:
+        load_before = os.getloadavg()[0]
+        fns = dict(ours=ours_runner(ours.model, prompt_ids, batch, args.new_tokens, pad),
+                   torch=torch_runner(torch_model, prompt_ids, batch, args.new_tokens, pad))
+        medians, times, outputs = _interleaved_median_times(fns, args.runs)
+        t_ours, t_torch = medians["ours"], medians["torch"]
+        times_ours, times_torch = times["ours"], times["torch"]
+        tokens_ours, tokens_torch = outputs["ours"], outputs["torch"]
+        generated = batch * args.new_tokens
+        agree = float(np.mean(tokens_ours[0] == tokens_torch[0]))
+        row = dict(
+            batch=batch, new_tokens=args.new_tokens, prompt_tokens=len(prompt_ids),
+            ours_seconds=t_ours, torch_seconds=t_torch,
+            ours_tokens_per_s=generated / t_ours, torch_tokens_per_s=generated / t_torch,
+            speedup=t_torch / t_ours, ours_runs=times_ours, torch_runs=times_torch,
+            greedy_token_agreement_row0=agree,
+            # Other processes share the CPU: the 1-minute load average, before and after.
+            load_average=[load_before, os.getloadavg()[0]],
+        )
+        rows.append(row)
+        print(f"batch {batch}: ours {row['ours_tokens_per_s']:.1f} tok/s, transformers "
+              f"{row['torch_tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, "
+              f"greedy agreement {agree:.2f}", flush=True)
+        _write(args, meta, rows)  # after every batch size, so a long run keeps its results
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Small task files written for this project (not copied from any dataset)."""

@@ -1,0 +1,270 @@
+"""Grain pipeline: record shards -> fixed-shape `Batch`es, shuffled, sharded, checkpointable.
+
+    record index space [0, N)  (records longer than max_len: error, or dropped and counted)
+      -> padded to M = ceil(N / P) * P slots so every process gets the same count
+      -> per epoch e, slot j of process p reads index_shuffle(p + j·P, M−1, seed + e)
+         (a stateless Feistel permutation: the processes' slots partition each epoch)
+      -> decode + validate (threads) -> collate B rows, padded to the smallest bucket length
+      -> background-thread prefetch
+
+Slots ≥ N are padding rows (`record_mask = 0`, all masks 0), so multi-host processes always
+step in lockstep. Everything before the iterator is a grain `MapDataset` indexed by position,
+so `get_state()` is a position and `set_state()` resumes at exactly the next record.
+
+Row alignment (data/batch.py): a record's tokens `x = prompt + completion` (length L) give a
+row of length L−1 with `inputs = x[:-1]`, `targets = x[1:]`; completion token j is the target
+at position P−1+j, where `loss_mask` is 1 and the per-token log-prob arrays are placed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import grain
+import numpy as np
+from grain.experimental import ThreadPrefetchIterDataset, index_shuffle
+
+from jaxrl_llm.data.batch import Batch, empty_pairs
+from jaxrl_llm.data.records import Record, RecordError
+from jaxrl_llm.data.shards import RecordSource
+
+_SHUFFLE_ROUNDS = 4
+# Losses whose importance ratio π/μ needs μ's per-token log-probs (SPEC §2–3).
+RATIO_LOSSES = ("topr", "opr", "tis", "ppo", "grpo", "dr_grpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions:
+    batch_size: int
+    max_len: int  # longest row (prompt + completion − 1) a batch may hold
+    buckets: tuple[int, ...] = ()  # static row lengths; () = just max_len
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = None  # None = repeat forever
+    too_long: Literal["error", "drop"] = "error"
+    require_mu: bool = False  # error when a record has no mu_logprobs (not yet scored)
+    process_index: int = 0
+    process_count: int = 1
+    read_threads: int = 2
+    prefetch: int = 2  # batches prepared ahead in a background thread (0 = off)
+    pairs: bool = False  # DPO data from `curate` strategy "dpo": rows (2i, 2i+1) are one pair
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0 or self.max_len <= 0:
+            raise ValueError(f"batch_size and max_len must be > 0, got {self.batch_size}, {self.max_len}")
+        if not 0 <= self.process_index < self.process_count:
+            raise ValueError(f"process_index {self.process_index} not in [0, {self.process_count})")
+        if self.buckets and (max(self.buckets) != self.max_len or min(self.buckets) <= 0):
+            raise ValueError(f"buckets {self.buckets} must be positive and end at max_len={self.max_len}")
+        if self.pairs and self.batch_size % 2:
+            raise ValueError(f"pairs=True needs an even batch_size, got {self.batch_size}")
+        if self.num_epochs is not None and self.num_epochs <= 0:
+            raise ValueError(f"num_epochs must be > 0 or None, got {self.num_epochs}")
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.buckets))) if self.buckets else (self.max_len,)
+
+
+def record_row(record: Record, *, require_mu: bool = False, where: str = "record") -> dict[str, Any]:
+    """One record as unpadded row arrays of length L−1 (see module docstring)."""
+    p, c = record.prompt_ids.size, record.completion_ids.size
+    tokens = np.concatenate([record.prompt_ids, record.completion_ids])
+    n = tokens.size - 1
+    loss_mask = np.zeros(n, np.float32)
+    loss_mask[p - 1 :] = 1.0
+
+    def place(values: np.ndarray | None) -> np.ndarray:
+        row = np.zeros(n, np.float32)
+        if values is not None:
+            row[p - 1 :] = values
+        return row
+
+    if require_mu and record.mu_logprobs is None and c:
+        raise RecordError(f"{where}: no mu_logprobs; run `jaxrl-llm score` first (loss.mu_source=trainer)")
+    return {
+        "inputs": tokens[:-1], "targets": tokens[1:], "loss_mask": loss_mask,
+        "behavior_logprobs": place(record.behavior_logprobs), "mu_logprobs": place(record.mu_logprobs),
+        "reward": np.float32(record.reward), "correct": record.correct, "group_id": record.group_id,
+        "record_mask": np.float32(1.0),
+    }
+
+
+def _padding_row() -> dict[str, Any]:
+    return {"inputs": np.zeros(0, np.int32), "reward": np.float32(0.0), "correct": False,
+            "group_id": -1, "record_mask": np.float32(0.0)}
+
+
+def collate(rows: Sequence[dict[str, Any]], batch_size: int, lengths: Sequence[int], *,
+            pairs: bool = False) -> Batch:
+    """Stack rows into a `Batch` of `batch_size` rows, right-padded to the smallest fitting length.
+
+    With `pairs`, rows (2i, 2i+1) are a (chosen, rejected) pair and `pair_index` is
+    `preference.make_pairs` over the batch, padded with −1 to `batch_size / 2` pairs.
+    """
+    longest = max((r["inputs"].size for r in rows), default=0)
+    t = next((n for n in lengths if n >= longest), None)
+    if t is None:
+        raise RecordError(f"a row of length {longest} exceeds the longest bucket {lengths[-1]}")
+    b = batch_size
+    out = {k: np.zeros((b, t), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+    out.update({k: np.zeros((b, t), np.float32) for k in ("loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")})
+    rewards, correct = np.zeros(b, np.float32), np.zeros(b, bool)
+    group_ids, record_mask = np.full(b, -1, np.int32), np.zeros(b, np.float32)
+    for i, row in enumerate(rows):
+        n = row["inputs"].size
+        if n:
+            for k in ("inputs", "targets", "loss_mask", "behavior_logprobs", "mu_logprobs"):
+                out[k][i, :n] = row[k]
+            out["positions"][i, :n] = np.arange(n)
+            out["segment_ids"][i, :n] = 1
+        rewards[i], correct[i] = row["reward"], row["correct"]
+        group_ids[i], record_mask[i] = row["group_id"], row["record_mask"]
+    pair_index = empty_pairs()
+    if pairs:
+        from jaxrl_llm.losses.preference import make_pairs
+
+        pair_index = make_pairs(group_ids, correct, record_mask=record_mask, pad_to=batch_size // 2)
+    return Batch(**out, rewards=rewards, correct=correct, group_ids=group_ids,
+                 record_mask=record_mask, pair_index=pair_index)
+
+
+class BatchLoader:
+    """Iterator of `Batch`es with exact, checkpointable position.
+
+    - `next(loader)` -> `Batch` (numpy arrays; the trainer device-puts them);
+    - `get_state()` / `set_state(state)`: JSON-able dict, resume at exactly the next record;
+    - `checkpoint_save()` / `checkpoint_restore()`: `grain.checkpoint` args for an orbax
+      `Composite` next to the train state;
+    - `dropped_too_long`, `num_records`: counts for the logs.
+    """
+
+    def __init__(self, directory: str, options: LoaderOptions) -> None:
+        self.options = o = options
+        self.source = RecordSource(directory)
+        row_len = self.source.lengths().sum(axis=1) - 1
+        k = 2 if o.pairs else 1
+        if len(self.source) % k:
+            raise RecordError(f"{directory}: pairs=True needs an even number of records, got {len(self.source)}")
+        units = np.arange(len(self.source)).reshape(-1, k)  # a unit is a record, or a DPO pair
+        too_long = np.flatnonzero(row_len > o.max_len)
+        if too_long.size and o.too_long == "error":
+            i = int(too_long[0])
+            raise RecordError(
+                f"{self.source.where(i)}: record needs a row of {int(row_len[i])} tokens > max_len "
+                f"{o.max_len} ({too_long.size} such records; set too_long='drop' to skip them)"
+            )
+        fits = (row_len[units] <= o.max_len).all(axis=1)
+        self.dropped_too_long = int((~fits).sum() * k)
+        if self.dropped_too_long:
+            logging.getLogger(__name__).warning(
+                "%s: dropping %d of %d records longer than max_len=%d (data.too_long=drop)",
+                directory, self.dropped_too_long, len(self.source), o.max_len)
+        self._units = units[fits]
+        self.num_records = int(self._units.size)
+        if self.num_records == 0:
+            raise RecordError(f"{directory}: no records to load (dropped {self.dropped_too_long} too long)")
+        n_units, p = len(self._units), o.process_count
+        self.slots_per_epoch = math.ceil(n_units / p) * p
+        self.per_process = self.slots_per_epoch // p  # units (records or pairs) per process and epoch
+        units_per_batch = o.batch_size // k
+        self.batches_per_epoch = math.ceil(self.per_process / units_per_batch)
+
+        ds = grain.MapDataset.range(self.per_process).repeat(o.num_epochs)
+        ds = ds.map_with_index(lambda i, _: self._slot(i)).map(self._load)
+        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=o.read_threads, prefetch_buffer_size=4 * o.batch_size))
+        it = it.batch(units_per_batch, batch_fn=lambda units: collate(
+            [row for unit in units for row in unit], o.batch_size, o.lengths, pairs=o.pairs))
+        if o.prefetch:
+            it = ThreadPrefetchIterDataset(it, prefetch_buffer_size=o.prefetch)
+        self._iterator = iter(it)
+
+    def _slot(self, position: int) -> int:
+        """Unit index (into the kept units) for this process's `position`, or −1 = padding."""
+        o = self.options
+        epoch, j = divmod(position, self.per_process)
+        slot = o.process_index + j * o.process_count
+        if o.shuffle:
+            slot = int(index_shuffle(slot, max_index=self.slots_per_epoch - 1, seed=o.seed + epoch,
+                                     rounds=_SHUFFLE_ROUNDS))
+        return slot if slot < len(self._units) else -1
+
+    def _load(self, slot: int) -> list[dict[str, Any]]:
+        k = self._units.shape[1]
+        if slot < 0:
+            return [_padding_row() for _ in range(k)]
+        rows = []
+        for index in self._units[slot].tolist():
+            record = self.source[index]
+            rows.append(record_row(record, require_mu=self.options.require_mu, where=self.source.where(index)))
+        if k == 2:
+            a, b = (self.source.where(i) for i in self._units[slot].tolist())
+            if not (rows[0]["correct"] and not rows[1]["correct"] and rows[0]["group_id"] == rows[1]["group_id"]):
+                raise RecordError(f"{a} / {b}: not a (correct, incorrect) pair of one group (pairs=True "
+                                  "needs records written by `curate` with strategy 'dpo')")
+        return rows
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._iterator)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._iterator.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._iterator.set_state(state)
+
+    def checkpoint_save(self) -> Any:
+        return grain.checkpoint.CheckpointSave(self._iterator)
+
+    def checkpoint_restore(self) -> Any:
+        return grain.checkpoint.CheckpointRestore(self._iterator)
+
+    def slot_indices(self, epoch: int = 0) -> np.ndarray:
+        """Record indices this process reads in `epoch`, in order (−1 = padding row)."""
+        positions = range(epoch * self.per_process, (epoch + 1) * self.per_process)
+        slots = np.asarray([self._slot(i) for i in positions])
+        rows = self._units[np.maximum(slots, 0)]
+        return np.where(slots[:, None] >= 0, rows, -1).reshape(-1)
+
+
+def make_loader(directory: str, *, batch_size: int, max_len: int, **kwargs: Any) -> BatchLoader:
+    """`BatchLoader(directory, LoaderOptions(batch_size=…, max_len=…, …))`."""
+    return BatchLoader(directory, LoaderOptions(batch_size=batch_size, max_len=max_len, **kwargs))
+
+
+def loader_from_config(config: Any, directory: str | None = None, *, process_index: int | None = None,
+                       process_count: int | None = None, num_epochs: int | None = None) -> BatchLoader:
+    """The trainer's loader for an `ExperimentConfig`: per-process rows of the global batch.
+
+    `directory` defaults to `data.curated` then `data.records`; process index/count default to
+    `jax.process_index()/process_count()`, and each process loads `train.batch_size / count`
+    rows (the local part of the global batch). Preference losses load DPO pairs.
+    """
+    import jax
+
+    from jaxrl_llm.config import ConfigError
+
+    d, t = config.data, config.train
+    directory = directory or d.curated or d.records
+    if directory is None:
+        raise ConfigError("set data.curated or data.records (a record directory)")
+    pidx = jax.process_index() if process_index is None else process_index
+    pcount = jax.process_count() if process_count is None else process_count
+    if t.batch_size % pcount:
+        raise ConfigError(f"train.batch_size={t.batch_size} must divide by the {pcount} processes")
+    buckets = tuple(d.buckets) if d.buckets else ()
+    if buckets and max(buckets) != t.max_seq_len:
+        raise ConfigError(f"data.buckets={list(buckets)} must end at train.max_seq_len={t.max_seq_len}")
+    return BatchLoader(directory, LoaderOptions(
+        batch_size=t.batch_size // pcount, max_len=t.max_seq_len, buckets=buckets, seed=d.shuffle_seed,
+        num_epochs=num_epochs if num_epochs is not None else d.num_epochs, too_long=d.too_long,
+        require_mu=config.loss.mu_source == "trainer" and config.loss.name in RATIO_LOSSES, process_index=pidx, process_count=pcount,
+        read_threads=d.read_threads, prefetch=d.prefetch, pairs=config.loss.name in ("dpo", "rpo"),
+    ))

@@ -1,0 +1,165 @@
+"""The record schema: one record per sampled completion (DESIGN "Records", SPEC §0).
+
+A record holds token ids (not text) so that training never re-tokenises, the sampler's
+per-token log-probs (processed: after temperature/top-k/top-p, and raw when the backend gives
+them), the task's reward and flags, and — after the score pass — μ's per-token log-probs
+computed with the trainer's numerics. Serialisation is msgpack with numpy arrays stored as
+little-endian bytes of a fixed dtype per field: safe to read from untrusted files (no Python object deserialisation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+_INT_FIELDS = ("prompt_ids", "completion_ids")
+_FLOAT_FIELDS = ("behavior_logprobs", "raw_logprobs", "mu_logprobs")
+_INT_DTYPE = np.dtype("<i4")
+_FLOAT_DTYPE = np.dtype("<f4")
+
+
+class RecordError(ValueError):
+    """A record that breaks the schema; the message names where it came from and the field."""
+
+
+@dataclasses.dataclass
+class Record:
+    """One completion of one prompt.
+
+    Per-token arrays (`behavior_logprobs`, `raw_logprobs`, `mu_logprobs`) are aligned with
+    `completion_ids`: entry t is log-prob of `completion_ids[t]` given the prompt and
+    `completion_ids[:t]`. `None` means "not available" (e.g. μ before the score pass).
+    """
+
+    prompt_ids: np.ndarray  # [P] int32
+    completion_ids: np.ndarray  # [C] int32
+    reward: float
+    correct: bool = False
+    invalid: bool = False
+    group_id: int = 0
+    task: str = ""
+    behavior_logprobs: np.ndarray | None = None  # [C] float32, sampler, after T/top-k/top-p
+    raw_logprobs: np.ndarray | None = None  # [C] float32, sampler, before processing
+    mu_logprobs: np.ndarray | None = None  # [C] float32, trainer re-score (SPEC §0)
+    answer: str | None = None  # extracted answer (None = none found)
+    raw_reward: float | None = None  # reward before a group transform (RLOO, GRPO, PKPO)
+    prompt_text: str = ""
+    completion_text: str = ""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # JSON-able task info
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+        self.completion_ids = np.asarray(self.completion_ids, dtype=np.int32)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, np.asarray(value, dtype=np.float32))
+        self.reward = float(self.reward)
+        self.correct = bool(self.correct)
+        self.invalid = bool(self.invalid)
+        self.group_id = int(self.group_id)
+
+    @property
+    def length(self) -> int:
+        """Tokens in prompt + completion."""
+        return int(self.prompt_ids.shape[0] + self.completion_ids.shape[0])
+
+    def replace(self, **changes: Any) -> Record:
+        return dataclasses.replace(self, **changes)
+
+    # -- (de)serialisation -------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        payload: dict[str, Any] = {"v": SCHEMA_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _INT_FIELDS:
+                value = np.ascontiguousarray(value, dtype=_INT_DTYPE).tobytes()
+            elif f.name in _FLOAT_FIELDS and value is not None:
+                value = np.ascontiguousarray(value, dtype=_FLOAT_DTYPE).tobytes()
+            payload[f.name] = value
+        return msgpack.packb(payload, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str = "record") -> Record:
+        try:
+            payload = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except (msgpack.UnpackException, ValueError, TypeError) as err:
+            raise RecordError(f"{where}: not a msgpack record ({err})") from err
+        if not isinstance(payload, dict):
+            raise RecordError(f"{where}: expected a mapping, got {type(payload).__name__}")
+        version = payload.pop("v", None)
+        if version != SCHEMA_VERSION:
+            raise RecordError(f"{where}: schema version {version!r}, expected {SCHEMA_VERSION}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(payload) - names
+        if unknown:
+            raise RecordError(f"{where}: unknown fields {sorted(unknown)}")
+        for name in _INT_FIELDS + _FLOAT_FIELDS:
+            value = payload.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, bytes):
+                raise RecordError(f"{where}: field {name!r} must be bytes")
+            dtype = _INT_DTYPE if name in _INT_FIELDS else _FLOAT_DTYPE
+            if len(value) % dtype.itemsize:
+                raise RecordError(f"{where}: field {name!r} has {len(value)} bytes, not a multiple of {dtype.itemsize}")
+            payload[name] = np.frombuffer(value, dtype=dtype).astype(dtype.newbyteorder("="))
+        try:
+            return cls(**payload)
+        except TypeError as err:
+            raise RecordError(f"{where}: {err}") from err
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able view (arrays as lists) for `data export-jsonl`."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.tolist() if isinstance(value, np.ndarray) else value
+        return out
+
+
+def validate_record(record: Record, *, where: str, vocab_size: int | None = None) -> None:
+    """Check the invariants every consumer relies on; raise `RecordError` naming `where`.
+
+    Lengths agree, log-probs are finite and ≤ 0, token ids lie in [0, vocab), the reward is
+    finite, and a record is never both correct and invalid.
+    """
+    if record.prompt_ids.ndim != 1 or record.completion_ids.ndim != 1:
+        raise RecordError(f"{where}: prompt_ids/completion_ids must be 1-D")
+    if record.prompt_ids.size == 0:
+        raise RecordError(f"{where}: prompt_ids is empty (a completion needs a context token)")
+    n = record.completion_ids.shape[0]
+    for name in ("prompt_ids", "completion_ids"):
+        ids = getattr(record, name)
+        if ids.size and int(ids.min()) < 0:
+            raise RecordError(f"{where}: field {name!r} has negative token id {int(ids.min())}")
+        if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+            raise RecordError(
+                f"{where}: field {name!r} has token id {int(ids.max())} >= vocab size {vocab_size}"
+            )
+    for name in _FLOAT_FIELDS:
+        lp = getattr(record, name)
+        if lp is None:
+            continue
+        if lp.shape != (n,):
+            raise RecordError(
+                f"{where}: field {name!r} has shape {lp.shape}, completion has {n} tokens"
+            )
+        if not np.all(np.isfinite(lp)):
+            bad = int(np.flatnonzero(~np.isfinite(lp))[0])
+            raise RecordError(f"{where}: field {name!r} is not finite at token {bad}")
+        # A small tolerance: samplers report log-softmax in float32, which can round to +1e-7.
+        if lp.size and float(lp.max()) > 1e-5:
+            raise RecordError(f"{where}: field {name!r} has a positive log-prob {float(lp.max())}")
+    if not math.isfinite(record.reward):
+        raise RecordError(f"{where}: field 'reward' is not finite ({record.reward})")
+    if record.raw_reward is not None and not math.isfinite(record.raw_reward):
+        raise RecordError(f"{where}: field 'raw_reward' is not finite ({record.raw_reward})")
+    if record.correct and record.invalid:
+        raise RecordError(f"{where}: record is flagged both correct and invalid")

@@ -1,0 +1,254 @@
+"""`jaxrl-llm evaluate --model (checkpoint|HF dir) --task T --n N`: sample N completions per
+test question, grade them with the task and write every SPEC §6 number to `eval.json`.
+
+Also used in-process by `quickstart` and `iterate` (`evaluate_model`), which reuse the
+sampler's compiled program across evaluations of models of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.eval.metrics import EvalSamples, evaluation_summary
+
+EVAL_FILE = "eval.json"
+SAMPLES_FILE = "samples.jsonl"
+
+
+@dataclass(frozen=True)
+class Graded:
+    """Every completion of an evaluation, graded: [Q][n] lists."""
+
+    texts: list[list[str]]
+    answers: list[list[str | None]]
+    correct: list[list[bool]]
+
+    def samples(self) -> EvalSamples:
+        return EvalSamples.from_answers(self.answers, self.correct)
+
+
+def sample_and_grade(
+    model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
+    temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
+) -> Graded:
+    """n samples per problem from the JAX sampler, decoded and scored by the task."""
+    import jax
+
+    from jaxrl_llm.generate.completions import encode_prompts
+    from jaxrl_llm.generate.jax_backend import sample_completions
+    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n,
+                            stop_token_ids=() if eos is None else (int(eos),))
+    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
+    prompt_ids = encode_prompts(tokenizer, [task.prompt(p) for p in problems])
+    completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed))
+    texts = [tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
+             for c in completions]
+    results = task.score_many([problems[c.prompt_index] for c in completions], texts)
+    q = len(problems)
+    graded: Graded = Graded([[] for _ in range(q)], [[] for _ in range(q)],
+                            [[] for _ in range(q)])
+    for c, text, result in zip(completions, texts, results, strict=True):
+        graded.texts[c.prompt_index].append(text)
+        graded.answers[c.prompt_index].append(None if result.invalid else result.answer)
+        graded.correct[c.prompt_index].append(bool(result.correct))
+    return graded
+
+
+def verify_samples(
+    verifier: Any, tokenizer: Any, problems: Sequence[Any], graded: Graded, *,
+    verifications: int, temperature: float, max_new_tokens: int, batch_size: int = 8,
+    seed: int = 0,
+) -> np.ndarray:
+    """Verdicts [Q, n, V] of a generative verifier on every graded solution (000 §4.4).
+
+    Each solution is shown to `verifier` with the `verify` task's prompt; each of its V
+    sampled verifications gives 1 ("The verdict is correct"), 0 ("... incorrect") or −1 (no
+    parsable verdict, which counts as no vote).
+    """
+    import jax
+
+    from jaxrl_llm.generate.completions import encode_prompts
+    from jaxrl_llm.generate.jax_backend import sample_completions
+    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+    from jaxrl_llm.tasks.base import Problem
+    from jaxrl_llm.tasks.verify import VerifyTask, parse_verdict
+
+    verify = VerifyTask()
+    prompts = [
+        verify.prompt(Problem(id=f"{p.id}/{j}", question=p.question, answer="",
+                              metadata={"candidate": text}))
+        for p, texts in zip(problems, graded.texts, strict=True) for j, text in enumerate(texts)
+    ]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                            n=verifications, stop_token_ids=() if eos is None else (int(eos),))
+    sampler = Sampler(verifier, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
+    completions = sample_completions(sampler, encode_prompts(tokenizer, prompts), params,
+                                     jax.random.key(seed + 1))
+    verdicts = np.full((len(prompts), verifications), -1, np.int8)
+    filled = np.zeros(len(prompts), np.int64)
+    for c in completions:
+        verdict = parse_verdict(tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True))
+        if verdict is not None:
+            verdicts[c.prompt_index, filled[c.prompt_index]] = int(verdict)
+        filled[c.prompt_index] += 1
+    n = len(graded.texts[0]) if graded.texts else 0
+    return verdicts.reshape(len(problems), n, verifications)
+
+
+def evaluate_model(
+    model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
+    temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
+    maj_k: Sequence[int] = (1, 4), trials: int = 100,
+    verifier: tuple[Any, Any] | None = None, verifications: int = 4,
+) -> tuple[dict[str, Any], Graded]:
+    """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
+    (= (model, tokenizer)) also weighted self-consistency (000 §4.4)."""
+    graded = sample_and_grade(model, tokenizer, task, problems, n=n, temperature=temperature,
+                              max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+    verdicts = None
+    if verifier is not None:
+        verdicts = verify_samples(verifier[0], verifier[1], problems, graded,
+                                  verifications=verifications, temperature=temperature,
+                                  max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                  seed=seed)
+    summary = evaluation_summary(graded.samples(), maj_k=maj_k, trials=trials, seed=seed,
+                                 verdicts=verdicts)
+    if verdicts is not None:
+        summary["verifier_invalid_rate"] = float((verdicts < 0).mean())
+    summary.update(task=getattr(task, "name", ""), temperature=temperature,
+                   max_new_tokens=max_new_tokens, seed=seed)
+    return summary, graded
+
+
+def write_eval(out_dir: str | Path, summary: dict[str, Any], graded: Graded | None = None,
+               problems: Sequence[Any] | None = None) -> Path:
+    """`eval.json` (strict JSON) and, with the graded samples, `samples.jsonl`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / EVAL_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    tmp.replace(path)
+    if graded is not None and problems is not None:
+        with (out / SAMPLES_FILE).open("w") as f:
+            for problem, texts, answers, correct in zip(problems, graded.texts, graded.answers,
+                                                        graded.correct, strict=True):
+                f.write(json.dumps({"id": problem.id, "question": problem.question,
+                                    "gold": problem.answer, "answers": answers,
+                                    "correct": correct, "completions": texts}) + "\n")
+    return path
+
+
+def load_model_and_tokenizer(model_path: str | None, config: Any,
+                             tokenizer: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, info) from an HF directory, a training checkpoint, or the config."""
+    if model_path is None:
+        from jaxrl_llm.generate.loading import model_and_tokenizer
+
+        model, tok = model_and_tokenizer(config)
+        return model, tok, {"model": config.model.path or config.model.source}
+    path = Path(model_path)
+    if (path / "config.json").is_file():
+        from transformers import AutoTokenizer
+
+        from jaxrl_llm.models import hf
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer or path))
+        return hf.load_pretrained(path), tok, {"model": str(path)}
+    from jaxrl_llm.export import tokenizer_for
+    from jaxrl_llm.train.checkpoint import restore_model
+
+    restored = restore_model(path)
+    return (restored.model, tokenizer_for(restored.config, tokenizer),
+            {"model": str(path), "step": restored.step})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxrl_llm.config_cli import add_config_arguments
+
+    parser.add_argument("--model", default=None,
+                        help="HF directory or training checkpoint (run dir / checkpoints dir / "
+                             "step dir); default: the config's model")
+    parser.add_argument("--task", default=None, help="task name (default data.task)")
+    parser.add_argument("--n", type=int, default=None, help="samples per question (eval.n)")
+    parser.add_argument("--num-questions", type=int, default=None, help="eval.num_questions")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory override")
+    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/eval)")
+    parser.add_argument("--label", default=None, help="name of this evaluation in reports")
+    parser.add_argument("--verifier", default=None,
+                        help="generative verifier (HF dir or checkpoint): adds weighted "
+                             "self-consistency (000 §4.4)")
+    parser.add_argument("--verifications", type=int, default=None,
+                        help="verifications per solution (eval.verifications)")
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.generate.loading import task_from_config
+
+    overrides = list(args.overrides)
+    if args.task is not None:
+        overrides.append(f"data.task={args.task}")
+    if args.n is not None:
+        overrides.append(f"eval.n={args.n}")
+    if args.num_questions is not None:
+        overrides.append(f"eval.num_questions={args.num_questions}")
+    config = load_config(args.config, overrides)
+    e, g = config.eval, config.generate
+    model, tokenizer, info = load_model_and_tokenizer(args.model, config, args.tokenizer)
+    task = task_from_config(config)
+    problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
+    temperature = g.temperature if e.temperature is None else e.temperature
+    verifier = None
+    if args.verifier is not None:
+        v_model, v_tok, _ = load_model_and_tokenizer(args.verifier, config)
+        verifier = (v_model, v_tok)
+    summary, graded = evaluate_model(
+        model, tokenizer, task, problems, n=e.n, temperature=temperature,
+        max_new_tokens=e.max_new_tokens or g.max_new_tokens,
+        batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=e.maj_k,
+        trials=e.bootstrap_trials, verifier=verifier,
+        verifications=args.verifications or e.verifications,
+    )
+    summary.update(info, split=e.split, label=args.label or Path(info["model"]).name)
+    out = write_eval(Path(args.out or Path(config.run_dir) / "eval"), summary, graded, problems)
+    p1 = summary["pass_at_1"]
+    print(f"{summary['label']}: pass@1 {p1['mean']:.3f} ± {p1['se']:.3f} (SE), "  # type: ignore[index]
+          f"invalid {summary['proportions']['invalid']:.3f}; wrote {out}")  # type: ignore[index]
+    return 0
+
+
+def format_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """A plain-text before/after table of pass@1 ± SE, pass@k, maj@K and invalid rate."""
+    header = ["", "pass@1 ± SE", "pass@n", "maj@K", "invalid"]
+    lines = []
+    for label, s in rows:
+        curve = s.get("pass_at_k") or {}
+        top = max((int(k) for k in curve), default=None)
+        maj = s.get("maj_at_k") or {}
+        kmax = max((int(k) for k in maj), default=None)
+        lines.append([
+            label,
+            f"{s['pass_at_1']['mean']:.3f} ± {s['pass_at_1']['se']:.3f}",
+            "–" if top is None else f"{curve[str(top)]:.3f} (n={top})",
+            "–" if kmax is None else f"{maj[str(kmax)]['mean']:.3f} (K={kmax})",
+            f"{s['proportions']['invalid']:.3f}",
+        ])
+    widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*r) for r in [header, *lines])
+

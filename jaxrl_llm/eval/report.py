@@ -1,0 +1,152 @@
+"""`jaxrl-llm report RUN_DIR`: PNG plots and a Markdown summary of a run (issue 8).
+
+Reads what the other commands write under the run directory:
+- every `metrics.jsonl` (trainer rows: `{"step": s, metric: value, ...}`); with several
+  (SFT, one per `iterate` iteration) each metric is prefixed with its file's directory;
+- every `eval.json` (written by `evaluate`; SPEC §6 numbers), labelled by its `label` field or
+  its directory relative to the run directory; one carrying a `step` also contributes a
+  point to the accuracy-vs-step plot.
+Writes `report/*.png` and `report/report.md` (or under `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+# (file stem, title, y label, metric-name regexes)
+SERIES = (
+    ("accuracy", "Accuracy vs step", "accuracy",
+     (r"(^|/)pass_at_1$", r"(^|/)pass_at_1_se$", r"accuracy$", r"solve_rate$")),
+    ("loss", "Loss vs step", "loss", (r"(^|/)loss$", r"objective$")),
+    # The TOPR-family kernels report log(π/μ) split by sign; FPA π^{1/|y|} by correctness.
+    ("logprob_drift", "Log-prob drift: correct vs incorrect (002 Fig. 2)", "log π − log μ",
+     (r"drift", r"log_ratio_mean_(pos|neg)$", r"pi(_hat)?_norm_mean_(correct|incorrect)$")),
+    ("clipped_fractions", "Clipped fractions", "fraction of records", (r"clip",)),
+    ("effective_positive_fraction", "Effective positive fraction (000 eq. 12)", "p̃",
+     (r"effective_pos",)),
+)
+
+
+def read_jsonl(path: Path) -> list[dict[str, object]]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON line: {err}") from err
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def collect_run(run_dir: Path) -> tuple[list[dict[str, object]], dict[str, dict[str, object]]]:
+    """(metric rows sorted by step, {label: eval dict}) of everything under `run_dir`."""
+    rows: list[dict[str, object]] = []
+    paths = sorted(run_dir.rglob("metrics.jsonl"))
+    for path in paths:
+        file_rows = read_jsonl(path)
+        if len(paths) > 1 and path.parent != run_dir:
+            # Several trainings (SFT, iterations): name each series after its directory.
+            prefix = path.parent.relative_to(run_dir).as_posix()
+            file_rows = [{k if k in ("step", "time") else f"{prefix}/{k}": v
+                          for k, v in row.items()} for row in file_rows]
+        rows.extend(file_rows)
+    evals: dict[str, dict[str, object]] = {}
+    for path in sorted(run_dir.rglob("eval.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON: {err}") from err
+        label = str(data.get("label") or path.parent.relative_to(run_dir).as_posix() or "eval")
+        evals[label] = data
+        if isinstance(data.get("step"), int) and isinstance(data.get("pass_at_1"), dict):
+            p1 = data["pass_at_1"]
+            rows.append({"step": data["step"], "eval/pass_at_1": p1["mean"],
+                         "eval/pass_at_1_se": p1["se"]})
+    rows.sort(key=lambda r: r.get("step", 0))  # type: ignore[arg-type, return-value]
+    return rows, evals
+
+
+def _fmt(x: object, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def eval_table(evals: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """Markdown table: pass@1 ± SE, pass@k at the largest k, maj@K ± 2 SE, invalid rate."""
+    lines = ["| evaluation | questions × n | pass@1 ± SE | pass@n | maj@K ± 2 SE | invalid |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for label, e in evals.items():
+        p1 = e.get("pass_at_1") or {}
+        curve = e.get("pass_at_k") or {}
+        top = curve[str(max(int(k) for k in curve))] if curve else None  # type: ignore[index]
+        maj = "; ".join(
+            f"@{k}: {_fmt(v['mean'])} ± {_fmt(v.get('error_bar'))}"
+            for k, v in (e.get("maj_at_k") or {}).items()  # type: ignore[union-attr]
+        )
+        props = e.get("proportions") or {}
+        lines.append(
+            f"| {label} | {e.get('num_questions', '?')} × {e.get('n', '?')} | "
+            f"{_fmt(p1.get('mean'))} ± {_fmt(p1.get('se'))} | {_fmt(top)} | {maj or '–'} | "  # type: ignore[union-attr]
+            f"{_fmt(props.get('invalid'))} |"  # type: ignore[union-attr]
+        )
+    return lines
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Render every plot the run has data for and a Markdown summary; returns the .md path."""
+    from jaxrl_llm.eval import plots  # matplotlib loads only when a report is drawn
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory {run} does not exist")
+    out = Path(out_dir) if out_dir is not None else run / "report"
+    rows, evals = collect_run(run)
+    if not rows and not evals:
+        raise FileNotFoundError(f"{run} holds no metrics.jsonl or eval.json to report on")
+    figures: list[tuple[str, Path | None]] = []
+    for stem, title, ylabel, patterns in SERIES:
+        figures.append((title, plots.series_plot(rows, patterns, out / f"{stem}.png",
+                                                 title=title, ylabel=ylabel)))
+    figures.append(("pass@k vs k", plots.pass_at_k_plot(evals, out / "pass_at_k.png")))
+    figures.append(("Correct-answer cardinality",
+                    plots.cardinality_plot(evals, out / "cardinality.png")))
+    figures.append(("Correct / incorrect / invalid",
+                    plots.proportions_plot(evals, out / "proportions.png")))
+
+    md = [f"# Run report: `{run}`", ""]
+    if rows:
+        last = max((r for r in rows if "step" in r), key=lambda r: r["step"], default=None)  # type: ignore[arg-type, return-value]
+        md.append(f"{len(rows)} metric rows; last step {last['step'] if last else '?'}.")
+        md.append("")
+    if evals:
+        md += ["## Evaluations", "", *eval_table(evals), ""]
+    md += ["## Plots", ""]
+    for title, path in figures:
+        if path is None:
+            md += [f"- {title}: no data in this run", ""]
+        else:
+            md += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]
+    report = out / "report.md"
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n".join(md) + "\n")
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory (holds metrics.jsonl / eval.json files)")
+    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = write_report(args.run_dir, args.out)
+    print(f"report: {report}")
+    for png in sorted(report.parent.glob("*.png")):
+        print(f"  {png}")
+    return 0
+

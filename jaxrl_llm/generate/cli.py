@@ -1,0 +1,69 @@
+"""`jaxrl-llm generate`: sample completions for a task's prompts and write scored records.
+
+`generate.backend: jax` runs the project's KV-cache sampler here; `vllm` runs vLLM's
+offline engine (GPU host, `pip install jaxrl_llm[vllm]`; see launch/vllm_host.sh).
+`--gold` writes the task's gold solutions as SFT records instead (001/002 warm start).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxrl_llm.config_cli import add_config_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", help="record directory (default: generate.output)")
+    parser.add_argument("--model", help="vllm backend: HF model directory (default: model.path)")
+    parser.add_argument("--gold", action="store_true", help="write gold solutions as SFT records")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing record directory")
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxrl_llm.config import ConfigError, load_config
+    from jaxrl_llm.generate.loading import (
+        model_and_tokenizer,
+        task_from_config,
+        tokenizer_from_config,
+    )
+
+    config = load_config(args.config, args.overrides)
+    g, d = config.generate, config.data
+    out = args.out or g.output
+    if out is None:
+        raise ConfigError("set --out or generate.output")
+    task = task_from_config(config)
+    if args.gold:
+        from jaxrl_llm.data.shards import write_records
+        from jaxrl_llm.generate.completions import gold_records
+
+        tokenizer = tokenizer_from_config(config)
+        problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
+        manifest = write_records(out, gold_records(task, problems, tokenizer, eos_token_id=tokenizer.eos_token_id),
+                                 overwrite=args.overwrite, task=task.name, reward_fn=task.reward_fn,
+                                 tokenizer=getattr(tokenizer, "name_or_path", ""), extra={"source": "gold"})
+        print(f"wrote {manifest.num_records} gold records to {out}")
+        return 0
+    if g.backend == "vllm":
+        from jaxrl_llm.generate import vllm as vllm_backend
+
+        model = args.model or config.model.path
+        if model is None:
+            raise ConfigError("generate.backend=vllm needs --model or model.path (an HF directory)")
+        ns = argparse.Namespace(model=model, out=out, chunk_prompts=1024, overwrite=args.overwrite,
+                                config=args.config, overrides=args.overrides)
+        return vllm_backend.run(ns)
+    from jaxrl_llm.generate.jax_backend import generate_records
+
+    model, tokenizer = model_and_tokenizer(config)
+    problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
+    manifest = generate_records(
+        model, tokenizer, task, problems, out, n=g.n, temperature=g.temperature, top_k=g.top_k,
+        top_p=g.top_p, max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, seed=config.seed,
+        stop_at_eos=g.stop_at_eos, records_per_shard=g.records_per_shard,
+        model_name=config.model.path or config.model.source, overwrite=args.overwrite,
+    )
+    print(f"wrote {manifest.num_records} records ({manifest.num_correct} correct, "
+          f"{manifest.num_invalid} invalid) to {out}")
+    return 0

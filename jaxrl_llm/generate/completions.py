@@ -1,0 +1,97 @@
+"""Backend-neutral completions -> scored `Record`s (one per completion, SPEC §0).
+
+Both backends (JAX sampler, vLLM) produce `Completion`s; this module decodes them, scores
+them with the task in one batch (so the MATH verifier pool works in parallel) and builds the
+records the shard writer stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.data.records import Record
+from jaxrl_llm.tasks.base import Problem, Task
+
+
+@dataclasses.dataclass
+class Completion:
+    prompt_index: int  # index into the problems of this call
+    token_ids: np.ndarray  # [C] int32, stop token included
+    logprobs: np.ndarray | None  # [C] sampler log-probs after temperature/top-k/top-p
+    raw_logprobs: np.ndarray | None = None  # [C] before truncation (or as the backend defines)
+    finish_reason: str = ""
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each prompt; an empty encoding is an error naming the prompt."""
+    out = []
+    for i, text in enumerate(prompts):
+        ids = list(tokenizer.encode(text, add_special_tokens=True))
+        if not ids:
+            raise ValueError(f"prompt {i} encodes to no tokens: {text[:60]!r}")
+        out.append(ids)
+    return out
+
+
+def build_records(
+    task: Task,
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[Sequence[int]],
+    completions: Sequence[Completion],
+    tokenizer: Any,
+    *,
+    group_offset: int = 0,
+    prompts: Sequence[str] | None = None,
+) -> list[Record]:
+    """Score completions and build records; `group_id = group_offset + prompt_index`."""
+    texts = [tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in completions]
+    results = task.score_many([problems[c.prompt_index] for c in completions], texts)
+    records = []
+    for c, text, result in zip(completions, texts, results, strict=True):
+        problem = problems[c.prompt_index]
+        records.append(Record(
+            prompt_ids=np.asarray(prompt_ids[c.prompt_index], np.int32),
+            completion_ids=c.token_ids,
+            reward=result.reward, correct=result.correct, invalid=result.invalid,
+            group_id=group_offset + c.prompt_index, task=task.name,
+            behavior_logprobs=c.logprobs, raw_logprobs=c.raw_logprobs,
+            answer=result.answer,
+            prompt_text=prompts[c.prompt_index] if prompts is not None else "",
+            completion_text=text,
+            metadata={"problem_id": problem.id, "question": problem.question, "gold": problem.answer,
+                      "finish_reason": c.finish_reason, **_jsonable(result.info)},
+        ))
+    return records
+
+
+def gold_records(task: Task, problems: Sequence[Problem], tokenizer: Any, *,
+                 eos_token_id: int | None = None, group_offset: int = 0) -> list[Record]:
+    """Gold solutions as SFT records (001/002 warm start): reward +1, correct, no log-probs."""
+    records = []
+    prompts = [task.prompt(p) for p in problems]
+    ids = encode_prompts(tokenizer, prompts)
+    for i, (problem, prompt, pids) in enumerate(zip(problems, prompts, ids)):
+        gold = task.gold_completion(problem)
+        if gold is None:
+            continue
+        completion = list(tokenizer.encode(gold, add_special_tokens=False))
+        if eos_token_id is not None:
+            completion.append(int(eos_token_id))
+        result = task.score(problem, gold)
+        if not result.correct:
+            raise ValueError(f"task {task.name!r}: gold solution of {problem.id} does not score correct: {result}")
+        records.append(Record(
+            prompt_ids=pids, completion_ids=completion, reward=result.reward, correct=True,
+            group_id=group_offset + i, task=task.name, answer=result.answer, prompt_text=prompt,
+            completion_text=gold, metadata={"problem_id": problem.id, "question": problem.question,
+                                            "gold": problem.answer, "source": "gold"},
+        ))
+    return records
+
+
+def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in info.items() if isinstance(v, str | int | float | bool) or v is None}

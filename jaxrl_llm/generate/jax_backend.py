@@ -1,0 +1,86 @@
+"""Generation with the project's own KV-cache sampler (`models/sampler.py`), on any JAX device.
+
+Prompts are processed in chunks of `chunk_prompts`; each chunk is sampled (n per prompt),
+scored by the task and appended to the record shards, so progress is visible (tqdm) and a
+long run writes as it goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxrl_llm.data.shards import Manifest, SamplingInfo, ShardWriter
+from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts
+from jaxrl_llm.tasks.base import Problem, Task
+
+
+def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params: Any, key: jax.Array) -> list[Completion]:
+    """Run the sampler; one `Completion` per (prompt, sample)."""
+    out = sampler.generate(prompt_ids, params, key)
+    completions = []
+    for row in range(out.tokens.shape[0]):
+        n = int(out.lengths[row])
+        completions.append(Completion(
+            prompt_index=int(out.prompt_index[row]),
+            token_ids=np.asarray(out.tokens[row, :n], np.int32),
+            logprobs=np.asarray(out.logprobs[row, :n], np.float32),
+            raw_logprobs=np.asarray(out.raw_logprobs[row, :n], np.float32),
+            finish_reason=str(out.finish_reason[row]),
+        ))
+    return completions
+
+
+def generate_records(
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    problems: Sequence[Problem],
+    out_dir: str,
+    *,
+    n: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    records_per_shard: int = 10_000,
+    chunk_prompts: int | None = None,
+    model_name: str = "",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    """Sample `n` completions per problem and write scored records to `out_dir`."""
+    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())
+    pad = getattr(tokenizer, "pad_token_id", None)
+    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
+    prompts = [task.prompt(p) for p in problems]
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    chunk = chunk_prompts or batch_size * 4
+    key = jax.random.key(seed)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    with ShardWriter(
+        out_dir, records_per_shard=records_per_shard, vocab_size=vocab, overwrite=overwrite,
+        tokenizer=getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, model=model_name,
+        task=task.name, reward_fn=task.reward_fn,
+        sampling=SamplingInfo(backend="jax", temperature=temperature, top_p=top_p, top_k=top_k,
+                              max_new_tokens=max_new_tokens, n=n, seed=seed),
+    ) as writer:
+        for c, start in enumerate(tqdm(range(0, len(problems), chunk), desc=f"generate {task.name}",
+                                       unit="chunk", disable=not progress)):
+            sub = slice(start, start + chunk)
+            completions = sample_completions(sampler, prompt_ids[sub], params, jax.random.fold_in(key, c))
+            writer.write_all(build_records(task, problems[sub], prompt_ids[sub], completions, tokenizer,
+                                           group_offset=start, prompts=prompts[sub]))
+        writer.manifest.extra["task_metrics"] = task.metrics()
+    return writer.manifest

@@ -1,0 +1,65 @@
+"""Build the task, tokenizer and model an experiment config names (generate/score commands)."""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.tasks import Task, get_task
+
+# Character alphabet of the default tokenizer for random-init models: every task prompt fits.
+CHAR_ALPHABET = string.ascii_letters + string.digits + string.punctuation + " \n\t"
+
+
+def task_from_config(config: ExperimentConfig) -> Task:
+    d = config.data
+    kwargs: dict[str, Any] = {"reward_scheme": d.reward_scheme, **d.task_options}
+    if d.task_path is not None:
+        kwargs["path"] = d.task_path
+    try:
+        return get_task(d.task, **kwargs)
+    except (KeyError, TypeError) as err:
+        raise ConfigError(f"data.task={d.task!r} / data.task_options: {err}") from err
+
+
+def char_tokenizer() -> Any:
+    from jaxrl_llm.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer(CHAR_ALPHABET)
+
+
+def tokenizer_from_config(config: ExperimentConfig) -> Any:
+    name = config.data.tokenizer
+    m = config.model
+    if name == "char" or (name is None and m.source == "random"):
+        tok = char_tokenizer()
+        if len(tok) > m.vocab_size:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the char tokenizer ({len(tok)})")
+        return tok
+    if name is None and m.source in ("gguf", "smollm2"):
+        return model_and_tokenizer(config)[1]
+    from transformers import AutoTokenizer
+
+    path = name or m.path
+    if path is None:
+        raise ConfigError("data.tokenizer (or model.path) must name a tokenizer directory")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def model_and_tokenizer(config: ExperimentConfig) -> tuple[Any, Any]:
+    """(NNX decoder, tokenizer) for `config.model`."""
+    m = config.model
+    if m.source in ("gguf", "smollm2"):
+        from jaxrl_llm.models.gguf import load_gguf
+
+        path = m.path
+        if m.source == "smollm2" and path is None:
+            from jaxrl_llm.models.packaged import smollm2_gguf_path
+
+            path = str(smollm2_gguf_path())
+        loaded = load_gguf(path)
+        return loaded.model, loaded.tokenizer
+    from jaxrl_llm.train.state import build_model
+
+    return build_model(config), tokenizer_from_config(config)

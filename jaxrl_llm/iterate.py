@@ -1,0 +1,336 @@
+"""`jaxrl-llm iterate --config X`: iterated off-policy RL (000 §4.3; 001; 003).
+
+For i = 1..I, with π_0 the configured (or given) model:
+
+    generate with π_{i−1} ─▶ reward ─▶ score μ_i = π_{i−1} ─▶ curate ─▶ train ─▶ checkpoint
+        ─▶ export (HF) ─▶ evaluate
+
+Each stage writes under `run_dir/iter_i/` (`records/`, `scored/`, `curated/`, `train/`,
+`export/`, `eval/`) and is recorded in `iter_i/stages.json` when complete; a re-run skips
+completed stages (and the trainer resumes a half-finished `train` from its checkpoint).
+Iteration i samples a fresh slice of `data.num_prompts` prompts, so small iterations (a few
+prompts, a few steps) give the online/iterated set-ups of 001 (RLOO + TOPR: set
+`data.group_transform: rloo`) and 003 (PKPO with k annealed: `iterate.pkpo_k`). The whole loop
+runs in one process; the train step and the sampler compile once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from jaxrl_llm.config import ConfigError, ExperimentConfig, Section
+
+STAGES = ("generate", "score", "curate", "train", "export", "evaluate")
+STAGES_FILE = "stages.json"
+
+
+class IterateSection(Section):
+    """The outer loop of `iterate` (and the RL part of `quickstart`)."""
+
+    iterations: int = Field(1, gt=0)
+    # PKPO's k per iteration (003 §5.2.2 anneals k, e.g. [8, 8, 4, 1]); the last value
+    # repeats. None = `data.pkpo_k` every iteration.
+    pkpo_k: list[int] | None = None
+    evaluate_initial: bool = True  # evaluate π_0 into iter_0/eval (the "before" numbers)
+    export: bool = True
+    evaluate: bool = True
+    fresh_prompts: bool = True  # iteration i samples prompts [i·N, (i+1)·N) of the split
+
+
+class IterateConfig(ExperimentConfig):
+    """An experiment plus the `iterate:` section."""
+
+    iterate: IterateSection = Field(default_factory=IterateSection)
+
+
+def experiment_part(config: ExperimentConfig) -> ExperimentConfig:
+    """The plain `ExperimentConfig` inside a subclass config (what checkpoints store)."""
+    data = config.model_dump(include=set(ExperimentConfig.model_fields))
+    return ExperimentConfig.model_validate(data)
+
+
+@dataclass
+class IterationResult:
+    index: int
+    directory: Path
+    model: Any
+    eval: dict[str, Any] | None
+    stages: dict[str, Any]
+
+
+class StageLog:
+    """`iter_i/stages.json`: which stages completed, with their outputs and timings."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / STAGES_FILE
+        self.stages: dict[str, Any] = (
+            json.loads(self.path.read_text()) if self.path.exists() else {}
+        )
+
+    def done(self, stage: str) -> bool:
+        return stage in self.stages
+
+    def mark(self, stage: str, info: dict[str, Any]) -> None:
+        self.stages[stage] = info
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.stages, indent=2))
+        tmp.replace(self.path)
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(text, flush=True)
+
+
+def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfig,
+                  out_dir: Path, *, label: str, step: int | None = None) -> dict[str, Any]:
+    """Evaluate `model` on the config's eval split and write `out_dir/eval.json`."""
+    from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
+
+    e, g = config.eval, config.generate
+    problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
+    summary, graded = evaluate_model(
+        model, tokenizer, task, problems, n=e.n,
+        temperature=g.temperature if e.temperature is None else e.temperature,
+        max_new_tokens=e.max_new_tokens or g.max_new_tokens,
+        batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=e.maj_k,
+        trials=e.bootstrap_trials,
+    )
+    summary["label"] = label
+    if step is not None:
+        summary["step"] = step
+    write_eval(out_dir, summary, graded, problems)
+    return summary
+
+
+def record_sample_metrics(config: IterateConfig, index: int, records: Path) -> dict[str, Any]:
+    """Training-sample metrics of 003 for iteration `index`: pass@k for every k ≤ n on the
+    prompts just sampled, and the cumulative solve rate (fraction of the tasks seen so far
+    solved at least once). Appended as one row to `run_dir/metrics.jsonl` (step = the
+    global train step at the start of the iteration) and returned."""
+    import numpy as np
+
+    from jaxrl_llm.data.shards import RecordSource
+    from jaxrl_llm.eval.metrics import SolveTracker, pass_at_k_per_question
+
+    run_dir = Path(config.run_dir)
+    d = config.data
+    source = RecordSource(str(records))
+    groups = np.asarray([r.group_id for r in source])
+    correct = np.asarray([r.correct for r in source], bool)
+    ids, inverse = np.unique(groups, return_inverse=True)
+    n_per = np.bincount(inverse)
+    c_per = np.bincount(inverse, weights=correct).astype(np.int64)
+    offset = (index - 1) * d.num_prompts if config.iterate.fresh_prompts else 0
+    total_tasks = (config.iterate.iterations if config.iterate.fresh_prompts else 1) \
+        * d.num_prompts
+    state_path = run_dir / "solve_tracker.json"
+    tracker = (SolveTracker.from_state_dict(json.loads(state_path.read_text()))
+               if state_path.exists() else SolveTracker(total_tasks))
+    rate = tracker.update((offset + ids).tolist(), (c_per > 0).tolist())
+    state_path.write_text(json.dumps(tracker.state_dict()))
+    row: dict[str, Any] = {"step": (index - 1) * config.train.steps,
+                           "samples/cumulative_solve_rate": rate,
+                           "samples/accuracy": float(correct.mean())}
+    n = int(n_per.min())
+    if n == int(n_per.max()):  # pass@k needs the same n for every prompt
+        curve = pass_at_k_per_question(n, c_per).mean(axis=0)
+        row.update({f"samples/pass_at_{k}": float(curve[k - 1]) for k in range(1, n + 1)})
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return {k.split("/", 1)[1]: v for k, v in row.items() if k != "step"}
+
+
+def pkpo_k_for(config: IterateConfig, index: int) -> int | None:
+    schedule = config.iterate.pkpo_k
+    if not schedule:
+        return config.data.pkpo_k
+    return schedule[min(index - 1, len(schedule) - 1)]
+
+
+def run_iteration(
+    config: IterateConfig, index: int, model: Any, tokenizer: Any, task: Any, *,
+    progress: bool = True, mesh: Any | None = None,
+) -> IterationResult:
+    """One iteration with π_{i−1} = `model`; completed stages are skipped."""
+    from jaxrl_llm.data.curation import curate_directory
+    from jaxrl_llm.generate.jax_backend import generate_records
+    from jaxrl_llm.generate.score import score_records
+    from jaxrl_llm.train.trainer import MU_FREE_LOSSES, Trainer
+
+    g, d = config.generate, config.data
+    it_dir = Path(config.run_dir) / f"iter_{index}"
+    log = StageLog(it_dir)
+    records, scored, curated = it_dir / "records", it_dir / "scored", it_dir / "curated"
+
+    if not log.done("generate"):
+        t0 = time.perf_counter()
+        offset = (index - 1) * d.num_prompts if config.iterate.fresh_prompts else 0
+        problems = task.load(split=g.split, num=offset + d.num_prompts, seed=config.seed)
+        manifest = generate_records(
+            model, tokenizer, task, problems[offset:], str(records), n=g.n,
+            temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+            max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
+            seed=config.seed * 1000 + index, stop_at_eos=g.stop_at_eos,
+            model_name=f"iter_{index - 1}", overwrite=True, progress=progress,
+        )
+        sample_stats = record_sample_metrics(config, index, records)
+        log.mark("generate", {"records": str(records), "num_records": manifest.num_records,
+                              "num_correct": manifest.num_correct,
+                              "num_invalid": manifest.num_invalid, **sample_stats,
+                              "seconds": time.perf_counter() - t0})
+        _say(progress, f"[iter {index}] generated {manifest.num_records} records "
+                       f"({manifest.num_correct} correct, {manifest.num_invalid} invalid)")
+
+    needs_mu = config.loss.mu_source == "trainer" and config.loss.name not in MU_FREE_LOSSES
+    if not log.done("score"):
+        t0 = time.perf_counter()
+        info: dict[str, Any] = {"skipped": True}
+        if needs_mu:
+            info = score_records(model, str(records), str(scored), temperature=None,
+                                 batch_size=g.score_batch_size,
+                                 chunk_size=config.loss.logprob_chunk_size,
+                                 model_name=f"iter_{index - 1}", progress=progress)
+        log.mark("score", {**info, "seconds": time.perf_counter() - t0})
+    source = scored if needs_mu else records
+
+    if not log.done("curate"):
+        t0 = time.perf_counter()
+        try:
+            comp = curate_directory(
+                str(source), str(curated), strategy=d.curation, num=d.num_records,
+                seed=d.shuffle_seed + index, target=d.target_positive_fraction,
+                power=d.hard_power, transform=d.group_transform,
+                pkpo_k=pkpo_k_for(config, index), baseline=config.loss.baseline,
+                overwrite=True,
+            )
+        except ValueError as err:
+            raise ConfigError(f"data.curation={d.curation!r} (iteration {index}): {err}") from err
+        log.mark("curate", {**comp.to_dict(), "seconds": time.perf_counter() - t0})
+        _say(progress, f"[iter {index}] curated: {json.dumps(comp.to_dict())}")
+
+    train_dir = it_dir / "train"
+    if not log.done("train"):
+        t0 = time.perf_counter()
+        trainer = Trainer(experiment_part(config), records=curated, run_dir=train_dir,
+                          model=model, mesh=mesh, progress=progress)
+        try:
+            result = trainer.run()
+        finally:
+            trainer.close()
+        if result.stopped:
+            raise KeyboardInterrupt(f"iteration {index}: training stopped by SIGTERM at step "
+                                    f"{result.step}; re-run to resume")
+        new_model = result.state.model()
+        log.mark("train", {"steps": result.step, "checkpoints": str(result.checkpoint_dir),
+                           "metrics": str(result.metrics_path), "last": result.last_row,
+                           "seconds": time.perf_counter() - t0})
+    else:
+        from jaxrl_llm.train.checkpoint import restore_model
+
+        new_model = restore_model(train_dir).model
+
+    if config.iterate.export and not log.done("export"):
+        from jaxrl_llm.export import atomic_save
+
+        t0 = time.perf_counter()
+        out = atomic_save(new_model, it_dir / "export", tokenizer=tokenizer, overwrite=True)
+        log.mark("export", {"path": str(out), "seconds": time.perf_counter() - t0})
+
+    summary = None
+    if config.iterate.evaluate:
+        eval_dir = it_dir / "eval"
+        if not log.done("evaluate"):
+            t0 = time.perf_counter()
+            summary = evaluate_into(new_model, tokenizer, task, config, eval_dir,
+                                    label=f"iter {index}", step=index * config.train.steps)
+            log.mark("evaluate", {"path": str(eval_dir / "eval.json"),
+                                  "pass_at_1": summary["pass_at_1"],
+                                  "seconds": time.perf_counter() - t0})
+        else:
+            summary = json.loads((eval_dir / "eval.json").read_text())
+    return IterationResult(index, it_dir, new_model, summary, log.stages)
+
+
+def run_iterations(
+    config: IterateConfig, *, model: Any | None = None, tokenizer: Any | None = None,
+    progress: bool = True, mesh: Any | None = None,
+    on_iteration: Callable[[IterationResult], None] | None = None,
+) -> tuple[dict[str, Any] | None, list[IterationResult]]:
+    """(initial eval or None, one result per iteration). `model`/`tokenizer` default to the
+    config's; a re-run continues from the last completed iteration's checkpoint."""
+    from jaxrl_llm.generate.loading import (
+        model_and_tokenizer,
+        task_from_config,
+        tokenizer_from_config,
+    )
+
+    task = task_from_config(config)
+    if tokenizer is None:
+        tokenizer = tokenizer_from_config(config)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+
+    def initial_model() -> Any:
+        return model if model is not None else model_and_tokenizer(config)[0]
+
+    current = None
+    initial = None
+    if config.iterate.evaluate_initial:
+        log = StageLog(run_dir / "iter_0")
+        if log.done("evaluate"):
+            initial = json.loads((run_dir / "iter_0" / "eval" / "eval.json").read_text())
+        else:
+            current = initial_model()
+            initial = evaluate_into(current, tokenizer, task, config, run_dir / "iter_0" / "eval",
+                                    label="initial", step=0)
+            log.mark("evaluate", {"pass_at_1": initial["pass_at_1"]})
+    results = []
+    for index in range(1, config.iterate.iterations + 1):
+        if current is None:
+            previous = run_dir / f"iter_{index - 1}" / "train"
+            if index > 1 and StageLog(run_dir / f"iter_{index - 1}").done("train"):
+                from jaxrl_llm.train.checkpoint import restore_model
+
+                current = restore_model(previous).model
+            else:
+                current = initial_model()
+        result = run_iteration(config, index, current, tokenizer, task, progress=progress,
+                               mesh=mesh)
+        results.append(result)
+        if on_iteration is not None:
+            on_iteration(result)
+        current = result.model
+    return initial, results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxrl_llm.config_cli import add_config_arguments
+
+    add_config_arguments(parser, required=True)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.eval.evaluate import format_table
+
+    config = load_config(args.config, args.overrides, schema=IterateConfig)
+    initial, results = run_iterations(config, progress=not args.no_progress)
+    rows = ([("initial", initial)] if initial else []) + [
+        (f"iter {r.index}", r.eval) for r in results if r.eval is not None
+    ]
+    if rows:
+        print(format_table(rows))
+    print(f"run directory: {config.run_dir}")
+    return 0

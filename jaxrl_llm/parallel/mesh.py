@@ -1,0 +1,89 @@
+"""Device meshes with the axes ("data", "fsdp", "tensor") from the `mesh:` config section.
+
+The same code builds a 1-device mesh on a laptop, an 8-device mesh over fake CPU devices in the
+tests, a 256-chip mesh over a TPU topology description for `plan`, and the global mesh of a
+multi-host job (after `parallel.distributed.initialize`, `jax.devices()` lists every host's
+devices).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxrl_llm.config import ConfigError, MeshConfig
+
+MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+# Axes a batch's leading (row) dimension is split over: every data-parallel replica and every
+# FSDP shard sees different rows (ZeRO-3 style); "tensor" shards see the same rows.
+BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+
+
+def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """Sizes of ("data", "fsdp", "tensor"); at most one may be -1 and takes the rest.
+
+    Raises `ConfigError` naming the `mesh.*` keys when the sizes do not multiply to
+    `num_devices`.
+    """
+    sizes = {axis: getattr(config, axis) for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size}: a mesh axis size must be ≥ 1 or -1 (the rest)")
+    free = [axis for axis, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ConfigError(
+            f"mesh: only one axis may be -1, got {', '.join(f'mesh.{a}=-1' for a in free)}"
+        )
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"mesh: {_describe(sizes)} — the fixed axes multiply to {fixed}, which does not "
+                f"divide the {num_devices} available devices, so mesh.{free[0]}=-1 cannot be "
+                "resolved"
+            )
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(
+            f"mesh: {_describe(sizes)} multiply to {fixed} but there are {num_devices} devices; "
+            "the sizes must multiply to the device count (set one axis to -1 to take the rest)"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def _describe(sizes: dict[str, int]) -> str:
+    return ", ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `Mesh` with axes ("data", "fsdp", "tensor") over `devices` (default: all devices).
+
+    Axes are `AxisType.Auto` (GSPMD propagation): jax 0.10's default Explicit axes make an
+    embedding gather fail with a ShardingTypeError (STACK.md).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(config, len(devices))
+    try:
+        # Topology-aware order: "tensor" (the chattiest axis) on the closest chips.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+    except (ValueError, RuntimeError, AssertionError):  # unknown device kinds: plain order
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways a batch's rows are split (data × fsdp)."""
+    return int(math.prod(mesh.shape[axis] for axis in BATCH_AXES))
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """`data=2 fsdp=4 tensor=1 (8 cpu devices)`."""
+    kinds = {d.platform for d in mesh.devices.flat}
+    axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return f"{axes} ({mesh.devices.size} {'/'.join(sorted(kinds))} devices)"

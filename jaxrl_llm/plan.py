@@ -1,0 +1,361 @@
+"""`jaxrl-llm plan --config X`: compile the train step for the config's full model and mesh
+without weights or devices, and report what each device would hold.
+
+The step is lowered on abstract inputs (`jax.ShapeDtypeStruct`s carrying NamedShardings, the
+model from `nnx.eval_shape`, so no 8B weights are ever created) and compiled by the target's
+real compiler: with `plan.platform: tpu` and the PyPI `libtpu` package (the `tpu` extra),
+`jax.experimental.topologies.get_topology_desc("v5e:16x16")` gives the 256 chips of a v5e pod
+to compile against from this CPU machine; otherwise `plan.num_devices` fake CPU devices stand
+in (and the report says so). Numbers come from the compiled executable's
+`memory_analysis()` (per-device argument / output / temp bytes) and `cost_analysis()` (FLOPs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jaxrl_llm.config import ConfigError, ExperimentConfig, load_config
+from jaxrl_llm.config_cli import add_config_arguments
+
+GIB = 1024**3
+# HBM per chip by TPU generation (public Cloud TPU specs), used when plan.chip_memory_gib is
+# not set.
+CHIP_MEMORY_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
+
+
+class PlanOutOfMemory(RuntimeError):
+    """The compiler refused the step: it needs more memory than a chip has."""
+
+
+@dataclass
+class ArrayInfo:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    global_bytes: int
+    device_bytes: int
+
+
+@dataclass
+class PlanReport:
+    config_name: str
+    platform: str
+    topology: str
+    num_devices: int
+    fallback_note: str | None
+    mesh: dict[str, int]
+    batch: dict[str, int]
+    num_params: int
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    state_bytes_per_device: int
+    flops_per_device: float
+    model_flops_6nd: float
+    chip_memory_bytes: int | None
+    largest: list[ArrayInfo] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Live bytes at the peak: arguments + temporaries + outputs not aliased to a donated
+        argument (the state is donated, so the new state reuses its buffers)."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.chip_memory_bytes is None else self.peak_bytes <= self.chip_memory_bytes
+
+
+def _chip_memory(config: ExperimentConfig) -> int | None:
+    if config.plan.chip_memory_gib is not None:
+        return int(config.plan.chip_memory_gib * GIB)
+    if config.plan.platform == "tpu" and config.plan.topology:
+        gen = config.plan.topology.split(":")[0].lower()
+        if gen in CHIP_MEMORY_GIB:
+            return int(CHIP_MEMORY_GIB[gen] * GIB)
+    return None
+
+
+def libtpu_available() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def _tpu_devices(topology: str) -> list[Any]:
+    # libtpu looks for a TPU VM's metadata; these two variables tell it there is none to find.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # Compiling needs no TPU, so do not wait for /tmp/libtpu_lockfile, which any other JAX
+    # process on this machine started without JAX_PLATFORMS=cpu holds.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as err:  # libtpu raises plain RuntimeErrors for unknown names
+        raise ConfigError(f"plan.topology={topology!r}: libtpu rejected it: {err}") from err
+    return list(topo.devices)
+
+
+def _needed_devices(config: ExperimentConfig) -> int:
+    if config.plan.num_devices is not None:
+        return config.plan.num_devices
+    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
+    if -1 in sizes:
+        raise ConfigError(
+            "plan on CPU: mesh has a -1 axis, so set plan.num_devices to say how many devices "
+            "to plan for"
+        )
+    return math.prod(sizes)
+
+
+def select_devices(config: ExperimentConfig) -> tuple[list[Any], str, str | None]:
+    """(devices, topology label, fallback note)."""
+    import jax
+
+    pc = config.plan
+    if pc.platform == "tpu":
+        if not pc.topology:
+            raise ConfigError("plan.platform=tpu needs plan.topology, e.g. v5e:16x16")
+        if libtpu_available():
+            return _tpu_devices(pc.topology), pc.topology, None
+        note = (f"libtpu is not installed (pip install 'jaxrl_llm[tpu]'): compiled for fake "
+                f"CPU devices instead of {pc.topology}; memory and FLOPs are the CPU "
+                "compiler's estimates")
+    else:
+        note = None
+    need = _needed_devices(config) if pc.platform == "cpu" or not pc.topology else _tpu_count(
+        pc.topology)
+    cpus = jax.devices("cpu")
+    if len(cpus) < need:
+        raise ConfigError(
+            f"plan needs {need} devices but this process has {len(cpus)} CPU devices; run "
+            f"`jaxrl-llm plan` in a fresh process (it sets XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={need}) or lower plan.num_devices"
+        )
+    return cpus[:need], f"cpu×{need}", note
+
+
+def _tpu_count(topology: str) -> int:
+    dims = topology.split(":")[-1].split("x")
+    try:
+        return math.prod(int(d) for d in dims)
+    except ValueError:
+        raise ConfigError(f"plan.topology={topology!r} is not of the form v5e:16x16") from None
+
+
+def abstract_batch(config: ExperimentConfig, mesh: Any) -> Any:
+    """The global batch as ShapeDtypeStructs with the step's batch shardings."""
+    import jax
+    import numpy as np
+
+    from jaxrl_llm.data.batch import Batch
+    from jaxrl_llm.parallel.rules import batch_sharding_tree
+    from jaxrl_llm.train.loss_fn import PREFERENCE_NAMES
+
+    b, t = config.train.batch_size, config.train.max_seq_len
+    pairs = b // 2 if config.loss.name in PREFERENCE_NAMES else 0
+    shapes: dict[str, tuple[tuple[int, ...], Any]] = {
+        "inputs": ((b, t), np.int32), "targets": ((b, t), np.int32),
+        "positions": ((b, t), np.int32), "segment_ids": ((b, t), np.int32),
+        "loss_mask": ((b, t), np.float32), "behavior_logprobs": ((b, t), np.float32),
+        "mu_logprobs": ((b, t), np.float32), "ref_logprobs": ((b, t), np.float32),
+        "rewards": ((b,), np.float32), "correct": ((b,), np.bool_),
+        "group_ids": ((b,), np.int32), "record_mask": ((b,), np.float32),
+        "pair_index": ((pairs, 2), np.int32),
+    }
+    shardings = batch_sharding_tree(mesh)
+    return Batch(**{
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name))
+        for name, (shape, dtype) in shapes.items()
+    })
+
+
+def _path_str(path: Any) -> str:
+    parts = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        if key == "value":
+            continue
+        parts.append(str(key))
+    return ".".join(parts)
+
+
+def _array_infos(state: Any) -> tuple[list[ArrayInfo], int]:
+    import jax
+    import numpy as np
+
+    infos = []
+    total_device = 0
+    for section in ("params", "opt_state", "ref_params", "model_state"):
+        tree = getattr(state, section)
+        if tree is None:
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            itemsize = np.dtype(leaf.dtype).itemsize
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            device_bytes = int(math.prod(shard)) * itemsize
+            total_device += device_bytes
+            infos.append(ArrayInfo(
+                path=f"{section}.{_path_str(path)}", shape=tuple(leaf.shape),
+                dtype=str(np.dtype(leaf.dtype)), spec=str(leaf.sharding.spec),
+                global_bytes=int(math.prod(leaf.shape)) * itemsize, device_bytes=device_bytes,
+            ))
+    infos.sort(key=lambda a: -a.global_bytes)
+    return infos, total_device
+
+
+def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
+    """Lower and compile the config's train step on abstract inputs; see the module doc."""
+    from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.train.state import abstract_train_state, count_params
+    from jaxrl_llm.train.step import make_train_step
+
+    devices, topology, note = select_devices(config)
+    mesh = make_mesh(config.mesh, devices)
+    state = abstract_train_state(config, mesh)
+    batch = abstract_batch(config, mesh)
+    step = make_train_step(config, mesh, state)
+    start = time.perf_counter()
+    lowered = step.lower(state, batch)
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # XLA raises JaxRuntimeError; only memory exhaustion is a result
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise PlanOutOfMemory(
+            f"{config.name}: the train step does not fit on {topology} "
+            f"(mesh {dict(mesh.shape)}): {str(err).splitlines()[0]}\n"
+            "Try model.remat=full, a smaller train.micro_batch_size, a larger mesh.fsdp, "
+            "model.scan_layers=true or a smaller loss.logprob_chunk_size."
+        ) from None
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    infos, state_bytes = _array_infos(state)
+    n_params = count_params(state.params)
+    tokens = config.train.batch_size * config.train.max_seq_len
+    return PlanReport(
+        config_name=config.name,
+        platform=devices[0].platform,
+        topology=topology,
+        num_devices=len(devices),
+        fallback_note=note,
+        mesh=dict(mesh.shape),
+        batch={"batch_size": config.train.batch_size, "seq_len": config.train.max_seq_len,
+               "micro_batch_size": config.train.micro_batch_size or config.train.batch_size},
+        num_params=n_params,
+        compile_seconds=seconds,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        code_bytes=int(mem.generated_code_size_in_bytes),
+        state_bytes_per_device=state_bytes,
+        flops_per_device=float(cost.get("flops", float("nan"))),
+        model_flops_6nd=6.0 * n_params * tokens,
+        chip_memory_bytes=_chip_memory(config),
+        largest=infos[:top],
+    )
+
+
+def _gib(n: float) -> str:
+    if abs(n) >= GIB / 4:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_report(r: PlanReport) -> str:
+    """A markdown report (what `plan` prints and docs/plan.md holds)."""
+    mesh = " ".join(f"{k}={v}" for k, v in r.mesh.items())
+    lines = [f"### {r.config_name}: {r.topology} ({r.num_devices} {r.platform} devices)", ""]
+    if r.fallback_note:
+        lines += [f"> NOTE: {r.fallback_note}", ""]
+    lines += [
+        f"mesh {mesh}; batch {r.batch['batch_size']}×{r.batch['seq_len']} tokens "
+        f"(micro-batch {r.batch['micro_batch_size']}); {r.num_params / 1e6:,.1f} M parameters; "
+        f"compiled in {r.compile_seconds:.1f} s",
+        "",
+        "| per device | bytes |",
+        "| --- | --- |",
+        f"| arguments (state + batch) | {_gib(r.argument_bytes)} |",
+        f"| outputs | {_gib(r.output_bytes)} |",
+        f"| aliased (donated state reused) | {_gib(r.alias_bytes)} |",
+        f"| temporaries (activations, gradients, …) | {_gib(r.temp_bytes)} |",
+        f"| **peak ≈ arguments + temporaries + outputs − aliased** | **{_gib(r.peak_bytes)}** |",
+    ]
+    if r.chip_memory_bytes is not None:
+        verdict = "fits" if r.fits else "DOES NOT FIT"
+        frac = r.peak_bytes / r.chip_memory_bytes
+        lines.append(
+            f"| chip memory | {_gib(r.chip_memory_bytes)} → {verdict} ({frac:.0%} used, "
+            f"{_gib(r.chip_memory_bytes - r.peak_bytes)} headroom) |"
+        )
+    total = r.flops_per_device * r.num_devices
+    lines += [
+        f"| FLOPs per step (per device / all devices) | {r.flops_per_device:.3e} / "
+        f"{total:.3e} |",
+        f"| 6·N·tokens (model FLOPs, no attention) | {r.model_flops_6nd:.3e} |",
+        "",
+        "XLA's cost analysis counts a `while` loop body once, so with `scan_layers` (and the "
+        "chunked log-prob scan) the compiled FLOPs undercount; 6·N·tokens is the model's.",
+        "",
+        "Largest arrays of the state:",
+        "",
+        "| array | shape | dtype | sharding | per device |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for a in r.largest:
+        lines.append(
+            f"| {a.path} | {'×'.join(map(str, a.shape))} | {a.dtype} | `{a.spec}` | "
+            f"{_gib(a.device_bytes)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, required=True)
+    parser.add_argument("--topology", help="override plan.topology, e.g. v5e:16x16")
+    parser.add_argument("--platform", choices=("cpu", "tpu"), help="override plan.platform")
+    parser.add_argument("--json", dest="json_path", help="also write the report as JSON here")
+    parser.add_argument("--top", type=int, default=8, help="how many largest arrays to list")
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.topology:
+        overrides.append(f"plan.topology={args.topology}")
+    if args.platform:
+        overrides.append(f"plan.platform={args.platform}")
+    config = load_config(args.config, overrides)
+    if config.plan.platform == "cpu" or not libtpu_available():
+        count = (config.plan.num_devices or _tpu_count(config.plan.topology)
+                 if config.plan.platform == "tpu" else _needed_devices(config))
+        # Read by XLA when jax first initialises its CPU backend (not yet, in this process).
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        report = make_plan(config, top=args.top)
+    except PlanOutOfMemory as err:
+        print(f"DOES NOT FIT: {err}")
+        return 1
+    print(format_report(report), end="")
+    if args.json_path:
+        data = asdict(report) | {"peak_bytes": report.peak_bytes, "fits": report.fits}
+        with open(args.json_path, "w") as f:
+            json.dump(data, f, indent=2)
+    return 0 if report.fits is not False else 1

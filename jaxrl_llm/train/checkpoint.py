@@ -1,0 +1,258 @@
+"""Orbax checkpoints of a training run (issue 7; STACK.md "Orbax").
+
+One checkpoint step directory holds three items, saved together by one `CheckpointManager`:
+
+- `state`: the train-state pytree (parameters, optimizer state, step, RNG key data) through
+  `StandardSave` — sharded arrays are written by every host in parallel (async by default);
+- `data`: the grain iterator position (`grain.checkpoint.CheckpointSave`), so a resumed run
+  consumes exactly the records the uninterrupted run would have;
+- `meta`: JSON with the step, the resolved config and anything else the caller adds.
+
+A step directory only counts once Orbax has committed it: a process killed mid-save leaves
+`<step>.orbax-checkpoint-tmp*`, which `latest_step()` ignores (the previous step restores).
+Restoring takes an abstract target (`jax.ShapeDtypeStruct`s with shardings), so a checkpoint
+restores onto any mesh shape — Orbax reshards on read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+STATE, DATA, META = "state", "data", "meta"
+
+# Orbax splits a replicated array's write across its replicas, compiling one slice program
+# per device and shape on the first save: worth it for large arrays only.
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+_handler_registered = False
+
+
+def _register_array_handler() -> None:
+    global _handler_registered
+    if not _handler_registered:
+        ocp.type_handlers.register_type_handler(
+            jax.Array,
+            ocp.type_handlers.ArrayHandler(
+                min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES
+            ),
+            override=True,
+        )
+        _handler_registered = True
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    state: Any
+    meta: dict[str, Any]
+
+
+def abstract_like(tree: Any, shardings: Any | None = None) -> Any:
+    """`ShapeDtypeStruct` target of a pytree (with `shardings`, a matching pytree, if given)."""
+    if shardings is None:
+        return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _data_args(iterator: Any, *, save: bool) -> Any:
+    """Orbax args for a data iterator: a loader exposing `checkpoint_save/restore()` (the
+    project's `BatchLoader`) or a bare grain `DatasetIterator`."""
+    method = "checkpoint_save" if save else "checkpoint_restore"
+    if hasattr(iterator, method):
+        return getattr(iterator, method)()
+    import grain
+
+    cls = grain.checkpoint.CheckpointSave if save else grain.checkpoint.CheckpointRestore
+    return cls(iterator)
+
+
+class Checkpointer:
+    """Saves every `save_every` steps (and when forced), keeps the last `keep` checkpoints.
+
+    `directory` may be any `etils.epath` path (local or `gs://`). All processes of a
+    multi-host job call `save`/`restore` (Orbax coordinates them); only committed steps count.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        save_every: int = 100,
+        keep: int = 3,
+        async_save: bool = True,
+    ) -> None:
+        if save_every <= 0 or keep <= 0:
+            raise ValueError(f"save_every={save_every} and keep={keep} must be positive")
+        _register_array_handler()
+        self.directory = directory
+        self.save_every = save_every
+        self.manager = ocp.CheckpointManager(
+            directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest *committed* step (partial async saves are ignored), or None."""
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def should_save(self, step: int) -> bool:
+        return step > 0 and step % self.save_every == 0
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_iterator: Any | None = None,
+        meta: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Start saving `state` (+ iterator position and JSON meta) as `step`.
+
+        Returns immediately after the device→host copy when async; `wait()` blocks until the
+        write is committed. Returns False when the step is not due (and not forced) or is
+        already saved.
+        """
+        if not force and not self.should_save(step):
+            return False
+        if step in self.manager.all_steps():
+            return False
+        items: dict[str, Any] = {STATE: ocp.args.StandardSave(state)}
+        if data_iterator is not None:
+            items[DATA] = _data_args(data_iterator, save=True)
+        meta_dict = {"step": int(step), **dict(meta or {})}
+        json.dumps(meta_dict)  # fail here, naming nothing half-written, if meta is not JSON
+        items[META] = ocp.args.JsonSave(meta_dict)
+        return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
+
+    def restore(
+        self,
+        target: Any | None,
+        *,
+        step: int | None = None,
+        data_iterator: Any | None = None,
+    ) -> Restored:
+        """Restore `step` (default: latest committed) onto `target`'s shapes and shardings.
+
+        `target` is an abstract pytree (`abstract_like`), or None to read the arrays as saved
+        (host-local, e.g. for export). A `data_iterator` given here is moved to the saved
+        position in place.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        elif step not in self.manager.all_steps():
+            raise FileNotFoundError(
+                f"checkpoint step {step} not in {self.directory} (have {self.all_steps()})"
+            )
+        items: dict[str, Any] = {
+            STATE: ocp.args.StandardRestore(target),
+            META: ocp.args.JsonRestore(),
+        }
+        if data_iterator is not None:
+            items[DATA] = _data_args(data_iterator, save=False)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        return Restored(step=int(step), state=restored[STATE], meta=dict(restored[META]))
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Only the JSON meta (config, step) of a checkpoint, without touching the arrays."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+        )
+        return dict(restored[META])
+
+    def wait(self) -> None:
+        """Block until pending async saves are committed."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- a model from a training checkpoint (export, evaluate) --------------------------------
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def locate(path: str | Path) -> tuple[Path, int | None]:
+    """(checkpoint manager directory, step or None) for a run directory, its `checkpoints/`
+    directory, or one step directory `checkpoints/<step>`."""
+    p = Path(path)
+    if (p / CHECKPOINT_DIR).is_dir():
+        return p / CHECKPOINT_DIR, None
+    if p.name.isdigit() and (p / STATE).is_dir():
+        return p.parent, int(p.name)
+    if p.is_dir() and any(c.name.isdigit() for c in p.iterdir()):
+        return p, None
+    raise FileNotFoundError(
+        f"{p} is not a checkpoint: expected a run directory (with {CHECKPOINT_DIR}/), a "
+        f"checkpoints directory, or a step directory ({CHECKPOINT_DIR}/<step>)"
+    )
+
+
+@dataclass(frozen=True)
+class RestoredModel:
+    model: Any  # NNX module with the checkpoint's parameters (in the model's own dtypes)
+    config: Any  # the run's ExperimentConfig, as saved with the checkpoint
+    step: int
+    meta: dict[str, Any]
+
+
+def restore_model(path: str | Path, *, step: int | None = None, mesh: Any | None = None
+                  ) -> RestoredModel:
+    """The policy saved in a checkpoint, restored from the config stored next to it.
+
+    The train state is restored onto `mesh` (default: every local device on the "fsdp" axis,
+    which spreads the weights) and, in a multi-host job, gathered so every process holds the
+    full parameters (what an HF export needs).
+    """
+    from jaxrl_llm.config import ExperimentConfig, MeshConfig
+    from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.train.state import abstract_train_state
+    from jaxrl_llm.train.trainer import model_factory, state_items, with_items
+
+    directory, found = locate(path)
+    step = step if step is not None else found
+    ckpt = Checkpointer(directory, async_save=False)
+    try:
+        meta = ckpt.read_meta(step)
+        if "config" not in meta:
+            raise FileNotFoundError(f"{directory}: checkpoint meta has no resolved config")
+        config = ExperimentConfig.model_validate(meta["config"])
+        if mesh is None:
+            mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
+        template = abstract_train_state(config, mesh, model_factory(config))
+        restored = ckpt.restore(abstract_like(state_items(template)), step=meta["step"])
+    finally:
+        ckpt.close()
+    state = with_items(template, restored.state)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        state = state.replace(params=multihost_utils.process_allgather(state.params, tiled=True))
+    return RestoredModel(model=state.model(), config=config, step=restored.step,
+                         meta=restored.meta)

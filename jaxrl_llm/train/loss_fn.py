@@ -1,0 +1,159 @@
+"""From the `loss:` config to a kernel call on one (micro-)batch.
+
+The model gives hidden states and its unembedding; this module turns them into per-token
+log-probs with the chunked kernel (SPEC §1, `losses.logprobs`) and calls the loss selected by
+`LossConfig.name` (`losses.policy_gradient.LOSSES`, `losses.preference.PREFERENCE_LOSSES`)
+with the `Batch` fields it needs. It returns the kernel's `LossOutput(total, weight,
+metrics)`; the train step sums `total` and `weight` over micro-batches and divides once.
+
+Temperature: μ's log-probs are scored with the sampling temperature (SPEC §0), so π's are too
+(`generate.temperature`; 0 = greedy is treated as 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.data.batch import Batch
+from jaxrl_llm.losses import policy_gradient as pg
+from jaxrl_llm.losses.advantages import grpo_advantages
+from jaxrl_llm.losses.logprobs import extrapolated_logprobs, token_logprobs
+from jaxrl_llm.losses.types import LossOutput
+
+TOPR_FAMILY = ("topr", "sft", "reinforce", "opr", "tis")
+GROUP_LOSSES = ("grpo", "dr_grpo")
+PREFERENCE_NAMES = ("dpo", "rpo", "kto", "apo")
+
+
+def temperature(config: ExperimentConfig) -> float:
+    t = config.generate.temperature
+    return float(t) if t > 0 else 1.0
+
+
+def needs_full_batch(config: ExperimentConfig) -> bool:
+    """Losses whose value couples rows across the batch in ways micro-batching would cut:
+    preference pairs (`pair_index` holds global row numbers) and KTO's batch-mean z0."""
+    return config.loss.name in PREFERENCE_NAMES
+
+
+def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None:
+    """Per-record advantages that need whole groups (GRPO family), computed on the full batch
+    before it is split into micro-batches; None for the other losses."""
+    if config.loss.name not in GROUP_LOSSES:
+        return None
+    return grpo_advantages(
+        batch.rewards, batch.group_ids, batch.record_mask,
+        scale_by_std=config.loss.name == "grpo",
+    )
+
+
+def _topr_bounds(config: ExperimentConfig) -> dict[str, float]:
+    """Preset bounds of `loss.name` (000 Table 1), overridden by any bound set in the config."""
+    bounds = dict(pg.topr_preset(config.loss.name))
+    for key in ("a_pos", "b_pos", "a_neg", "b_neg"):
+        value = getattr(config.loss, key)
+        if value is not None:
+            bounds[key] = value
+    return bounds
+
+
+def compute_loss(
+    config: ExperimentConfig,
+    batch: Batch,
+    hidden: jax.Array,
+    unembed: jax.Array,
+    *,
+    ref_hidden: jax.Array | None = None,
+    ref_unembed: jax.Array | None = None,
+    softcap: float | None = None,
+    advantages: jax.Array | None = None,
+) -> LossOutput:
+    """The configured loss of `batch` given the policy's `hidden [B,T,d]` and `unembed [d,V]`.
+
+    `ref_hidden`/`ref_unembed` come from the frozen reference model (already under
+    `stop_gradient`): required for FPA, and for the reference-log-prob losses when
+    `train.ref_logprobs: model`; otherwise those losses read `batch.ref_logprobs`.
+    """
+    lc = config.loss
+    name = lc.name
+    tau = temperature(config)
+    chunk = lc.logprob_chunk_size
+    logp = token_logprobs(
+        hidden, unembed, batch.targets, chunk_size=chunk, temperature=tau, softcap=softcap
+    )
+    logmu = batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
+    mask = batch.loss_mask
+    rm = batch.record_mask
+
+    def ref_logp() -> jax.Array:
+        if config.train.ref_logprobs == "batch" or ref_hidden is None:
+            return batch.ref_logprobs
+        return jax.lax.stop_gradient(
+            token_logprobs(ref_hidden, ref_unembed, batch.targets, chunk_size=chunk,
+                           temperature=tau, softcap=softcap)
+        )
+
+    if name in TOPR_FAMILY:
+        return pg.topr_loss(
+            logp, logmu, mask, batch.rewards, **_topr_bounds(config), baseline=lc.baseline,
+            length_norm=lc.length_norm, ratio_level=lc.ratio_level, record_mask=rm,
+        )
+    if name == "ppo":
+        return pg.ppo_loss(
+            logp, logmu, mask, batch.rewards, clip_eps=lc.clip_eps, baseline=lc.baseline,
+            ratio_level=lc.ratio_level, aggregation=lc.aggregation, max_len=batch.seq_len,
+            record_mask=rm,
+        )
+    if name in GROUP_LOSSES:
+        if advantages is None:
+            advantages = batch_advantages(config, batch)
+        options: dict[str, Any] = {"max_len": batch.seq_len, "advantages": advantages,
+                                   "record_mask": rm, "clip_eps": lc.clip_eps}
+        if name == "grpo":
+            options["aggregation"] = lc.aggregation
+        return pg.LOSSES[name](logp, logmu, mask, batch.rewards, batch.group_ids, **options)
+    if name == "off_rl":
+        return pg.off_rl_loss(logp, mask, batch.rewards, correct=batch.correct, record_mask=rm)
+    if name == "off_rl_kl":
+        return pg.off_rl_kl_loss(
+            logp, ref_logp(), mask, batch.rewards, tau=lc.kl_tau, correct=batch.correct,
+            record_mask=rm,
+        )
+    if name == "fpa":
+        if ref_hidden is None or ref_unembed is None:
+            raise ConfigError("loss.name=fpa needs the reference model's hidden states")
+        # w = sg(π̂^{1/|y|}) (002 eq. 3): no gradient through π̂, so build no backward for it.
+        logp_hat = extrapolated_logprobs(
+            jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(unembed),
+            ref_hidden, ref_unembed, batch.targets, lam=lc.fpa_lambda, chunk_size=chunk,
+            temperature=tau, softcap=softcap,
+        )
+        return pg.fpa_loss(
+            logp, jax.lax.stop_gradient(logp_hat), mask, batch.rewards, fpa_on=lc.fpa_on,
+            correct=batch.correct, record_mask=rm,
+        )
+    if name in PREFERENCE_NAMES:
+        return _preference_loss(config, batch, logp, ref_logp())
+    raise ConfigError(f"loss.name={name!r} has no train-step binding")
+
+
+def _preference_loss(
+    config: ExperimentConfig, batch: Batch, logp: jax.Array, ref_logp: jax.Array
+) -> LossOutput:
+    from jaxrl_llm.losses.preference import PREFERENCE_LOSSES
+
+    lc = config.loss
+    options: dict[str, Any] = {
+        "dpo": {"beta": lc.beta},
+        "rpo": {"beta": lc.beta, "alpha": lc.rpo_alpha},
+        "kto": {"beta": lc.beta},
+        "apo": {"beta1": lc.apo_beta1, "beta2": lc.apo_beta2},
+    }[lc.name]
+    return PREFERENCE_LOSSES[lc.name](
+        logp=logp, ref_logp=ref_logp, mask=batch.loss_mask, rewards=batch.rewards,
+        correct=batch.correct, group_ids=batch.group_ids, pair_index=batch.pair_index,
+        record_mask=batch.record_mask, **options,
+    )

@@ -1,0 +1,234 @@
+"""The train state: parameters, optimizer state, step and RNG, sharded on a mesh.
+
+`TrainState` is a flax struct pytree. The model is held in NNX's functional form
+(`nnx.split(model, nnx.Param, ...)`): `graphdef` (static structure) plus `params` (trainable)
+and `model_state` (every other variable, e.g. buffers), so the train step is a pure function
+that re-merges them (`nnx.merge`). With `optim.master_weights_fp32` the `params` held here are
+float32 master weights and the step casts them to the model's own parameter dtypes
+(`param_dtypes`, e.g. bf16) for the forward pass; gradients and optimizer state stay float32.
+
+FPA (and the preference losses with `train.ref_logprobs: model`) keep a frozen copy of the
+initial policy, `ref_params`, in the model's own dtype, sharded exactly like `params`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl_llm.config import ExperimentConfig
+from jaxrl_llm.parallel.rules import optimizer_shardings, replicated, state_shardings
+from jaxrl_llm.train.optim import make_optimizer
+
+PREFERENCE_LOSSES = ("dpo", "rpo", "kto", "apo")
+REF_LOGPROB_LOSSES = (*PREFERENCE_LOSSES, "off_rl_kl")
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates applied so far
+    params: nnx.State  # trainable parameters (fp32 master weights when configured)
+    opt_state: optax.OptState
+    model_state: nnx.State  # the model's non-trainable variables
+    ref_params: nnx.State | None  # frozen reference policy (FPA / ref_logprobs: model)
+    rng: jax.Array  # uint32[2] PRNG key, advanced every step
+    graphdef: Any = struct.field(pytree_node=False)
+    param_dtypes: tuple[str, ...] = struct.field(pytree_node=False)  # per params leaf
+
+    def model_params(self) -> nnx.State:
+        """`params` cast to the model's own dtypes (what the forward pass uses)."""
+        return cast_to_dtypes(self.params, self.param_dtypes)
+
+    def model(self) -> nnx.Module:
+        """The policy as an NNX module (for sampling, export and tests; not in the step)."""
+        return nnx.merge(self.graphdef, self.model_params(), self.model_state)
+
+
+def needs_reference_model(config: ExperimentConfig) -> bool:
+    """FPA needs the reference hidden states; other losses need π_ref only when the config
+    asks the step to compute reference log-probs."""
+    name = config.loss.name
+    return name == "fpa" or (name in REF_LOGPROB_LOSSES and config.train.ref_logprobs == "model")
+
+
+def cast_to_dtypes(tree: nnx.State, dtypes: tuple[str, ...]) -> nnx.State:
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) != len(dtypes):
+        raise ValueError(f"{len(leaves)} parameters but {len(dtypes)} recorded dtypes")
+    return jax.tree.unflatten(
+        treedef, [_astype(x, jnp.dtype(d)) for x, d in zip(leaves, dtypes)]
+    )
+
+
+def _astype(x: Any, dtype: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def master_dtypes(params: nnx.State, fp32: bool) -> tuple[str, ...]:
+    """dtype of each master weight: float32 for floating leaves when `fp32`, else unchanged."""
+    out = []
+    for x in jax.tree.leaves(params):
+        dt = jnp.dtype(x.dtype)
+        out.append("float32" if fp32 and jnp.issubdtype(dt, jnp.floating) else dt.name)
+    return tuple(out)
+
+
+def decoder_config(config: ExperimentConfig) -> Any:
+    """The `DecoderConfig` the policy will have, without loading weights.
+
+    Pretrained sources read their own architecture (HF `config.json`); when that file is not
+    reachable from this machine (e.g. `plan` for a bucket path) the `model:` section's
+    architecture fields stand in, which the paper configs set to the real model's values.
+    """
+    from jaxrl_llm.models.config import DecoderConfig
+
+    m = config.model
+    numerics = {"compute_dtype": m.compute_dtype, "remat": m.remat, "scan_layers": m.scan_layers,
+                "param_dtype": m.param_dtype}
+    if m.source == "hf" and m.path is not None:
+        from pathlib import Path
+
+        from jaxrl_llm.models.hf import read_hf_config
+
+        if (Path(m.path) / "config.json").is_file():
+            return DecoderConfig.from_hf(read_hf_config(m.path), source=m.path, **numerics)
+    return DecoderConfig.from_model_config(m)
+
+
+def build_model(config: ExperimentConfig, *, weights: bool = True) -> nnx.Module:
+    """The policy named by `config.model`, unsharded (eager sharding off: `create_train_state`
+    places the variables on the mesh). `weights=False` builds a randomly initialised model of
+    the same architecture (for `nnx.eval_shape` / `plan`)."""
+    from jaxrl_llm.models.decoder import Decoder
+
+    m = config.model
+    if m.source == "random" or not weights:
+        return Decoder(decoder_config(config), rngs=nnx.Rngs(config.seed))
+    overrides = {"compute_dtype": m.compute_dtype, "remat": m.remat, "scan_layers": m.scan_layers}
+    if m.source == "hf":
+        from jaxrl_llm.models.hf import load_pretrained
+
+        return load_pretrained(m.path, dtype=m.param_dtype, **overrides)
+    from jaxrl_llm.models.gguf import load_gguf
+
+    path = m.path
+    if m.source == "smollm2":
+        from jaxrl_llm.models.packaged import smollm2_gguf_path
+
+        path = str(smollm2_gguf_path())
+    model = load_gguf(path, dtype=m.param_dtype).model
+    return model
+
+
+def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, params, rest
+
+
+def _put(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+
+
+def state_shardings_for(state: TrainState, mesh: Mesh) -> TrainState:
+    """NamedShardings of every leaf of a (concrete or abstract) TrainState, from the rules."""
+    p_shard = state_shardings(state.params, mesh)
+    return state.replace(
+        step=NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        params=p_shard,
+        opt_state=optimizer_shardings(state.opt_state, state.params, p_shard),
+        model_state=replicated(state.model_state, mesh),
+        ref_params=None if state.ref_params is None else state_shardings(state.ref_params, mesh),
+        rng=NamedSharding(mesh, jax.sharding.PartitionSpec()),
+    )
+
+
+def _unsharded_state(
+    config: ExperimentConfig, model: nnx.Module, init_opt: Callable[[Any], Any]
+) -> TrainState:
+    graphdef, params, rest = split_model(model)
+    dtypes = tuple(jnp.dtype(x.dtype).name for x in jax.tree.leaves(params))
+    master = cast_to_dtypes(params, master_dtypes(params, config.optim.master_weights_fp32))
+    ref = params if needs_reference_model(config) else None
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=master,
+        opt_state=init_opt(master),
+        model_state=rest,
+        ref_params=ref,
+        rng=jax.random.PRNGKey(config.seed),
+        graphdef=graphdef,
+        param_dtypes=dtypes,
+    )
+
+
+def create_train_state(
+    config: ExperimentConfig, mesh: Mesh, model: nnx.Module | None = None
+) -> TrainState:
+    """A concrete TrainState placed on `mesh` by the sharding rules.
+
+    `model=None` builds the policy from `config.model` (random init directly sharded by a
+    jitted initialiser; pretrained weights loaded then placed). The reference model (when
+    needed) is a frozen copy of the initial policy.
+    """
+    tx, _ = make_optimizer(config.optim, config.train.steps)
+    if model is None and config.model.source == "random":
+        abstract = abstract_train_state(config, mesh)
+        shardings = state_shardings_for(abstract, mesh)
+
+        def init() -> TrainState:
+            return _unsharded_state(config, build_model(config), tx.init)
+
+        return jax.jit(init, out_shardings=shardings)()
+    if model is None:
+        model = build_model(config)
+    unsharded = _unsharded_state(config, model, lambda p: jax.eval_shape(tx.init, p))
+    shardings = state_shardings_for(unsharded, mesh)
+    params = _put(unsharded.params, shardings.params)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    return unsharded.replace(
+        step=jax.device_put(unsharded.step, shardings.step),
+        params=params,
+        opt_state=opt_state,
+        model_state=_put(unsharded.model_state, shardings.model_state),
+        # A real copy: the step donates the state, and one buffer cannot be donated twice.
+        ref_params=None if unsharded.ref_params is None
+        else jax.tree.map(jnp.copy, _put(unsharded.ref_params, shardings.ref_params)),
+        rng=jax.device_put(unsharded.rng, shardings.rng),
+    )
+
+
+def abstract_train_state(
+    config: ExperimentConfig, mesh: Mesh,
+    model_factory: Callable[[], nnx.Module] | None = None,
+) -> TrainState:
+    """The TrainState as `jax.ShapeDtypeStruct`s carrying their NamedShardings; no weights are
+    created (`nnx.eval_shape`), so an 8B model costs nothing. Used by `plan` and for restoring
+    checkpoints onto a mesh."""
+    tx, _ = make_optimizer(config.optim, config.train.steps)
+    factory = model_factory or (lambda: build_model(config, weights=False))
+
+    def make() -> TrainState:
+        model = factory()
+        return _unsharded_state(config, model, tx.init)
+
+    # Model and optimizer state in one eval_shape (STACK.md: an optimizer made from an
+    # already-abstract model under an Auto mesh fails).
+    with nnx.use_eager_sharding(False):
+        shapes = nnx.eval_shape(make)
+    shardings = state_shardings_for(shapes, mesh)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def count_params(params: nnx.State) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

@@ -1,0 +1,83 @@
+"""`jaxrl-llm report` renders PNGs and a Markdown summary from a recorded run directory."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from jaxrl_llm.cli import main as cli_main
+from jaxrl_llm.eval import metrics as m
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from the PNG header (IHDR), independent of matplotlib."""
+    data = path.read_bytes()[:24]
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def record_run(run_dir: Path) -> None:
+    """A run as the trainer and evaluate write it: metrics.jsonl rows and two eval.json."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for step in range(10, 110, 10):
+        rows.append({
+            # The train step's names for the kernel metrics (loss/ prefix).
+            "step": step, "loss": 1.0 / step, "accuracy": step / 200,
+            "loss/log_ratio_mean_pos": 0.01 * step, "loss/log_ratio_mean_neg": -0.02 * step,
+            "loss/clip_frac_pos_low": 0.1, "loss/clip_frac_neg_high": 0.3,
+            "loss/effective_pos_fraction": 0.15, "loss/num_pos": 64,
+        })
+    (run_dir / "train").mkdir(parents=True)
+    (run_dir / "train" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    for label, p, step in (("before", 0.2, 0), ("after", 0.4, 100)):
+        answers = [[None if rng.random() < 0.1 else str(int(rng.random() < p)) for _ in range(8)]
+                   for _ in range(30)]
+        correct = [[a == "1" for a in row] for row in answers]
+        summary = m.evaluation_summary(m.EvalSamples.from_answers(answers, correct),
+                                       maj_k=[1, 2, 4], trials=20)
+        summary.update(label=label, step=step)
+        (run_dir / f"eval_{label}").mkdir()
+        (run_dir / f"eval_{label}" / "eval.json").write_text(json.dumps(summary))
+
+
+def test_report_writes_every_plot_and_links_them(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    record_run(run_dir)
+    assert cli_main(["report", str(run_dir)]) == 0
+    out = run_dir / "report"
+    expected = ["accuracy", "loss", "logprob_drift", "clipped_fractions",
+                "effective_positive_fraction", "pass_at_k", "cardinality", "proportions"]
+    for stem in expected:
+        png = out / f"{stem}.png"
+        assert png.is_file(), stem
+        assert png_size(png) == (640, 400)
+    md = (out / "report.md").read_text()
+    for stem in expected:
+        assert f"]({stem}.png)" in md
+    assert "| before | 30 × 8 |" in md and "| after | 30 × 8 |" in md
+    assert str(out / "report.md") in capsys.readouterr().out
+
+
+def test_report_names_missing_data_and_refuses_empty_runs(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    from jaxrl_llm.eval.report import write_report
+
+    md = write_report(run_dir).read_text()
+    assert "- pass@k vs k: no data in this run" in md
+    assert (run_dir / "report" / "loss.png").is_file()
+    assert not (run_dir / "report" / "clipped_fractions.png").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl or eval.json"):
+        write_report(empty)
+    (run_dir / "metrics.jsonl").write_text("{oops\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: not a JSON line"):
+        write_report(run_dir)
