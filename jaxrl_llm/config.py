@@ -75,6 +75,9 @@ class LossConfig(Section):
     fpa_lambda: float = Field(1.0, ge=0)
     fpa_on: Literal["both", "negatives", "positives"] = "both"
     kl_tau: float = Field(0.04, ge=0)
+    # off_rl_kl: exact per-token KL(π_ref‖π_θ) over the vocabulary (needs train.ref_logprobs:
+    # model) instead of the sample estimate logπ_ref(y) − logπ_θ(y) (SPEC §3).
+    kl_exact: bool = False
     beta: float = Field(0.1, gt=0)
     rpo_alpha: float = 1.0
     apo_beta1: float = Field(0.5, gt=0)
@@ -125,6 +128,8 @@ class TrainConfig(Section):
     ref_logprobs: Literal["batch", "model"] = "batch"
     # The trainer stops after this many consecutive steps skipped for a non-finite loss/grad.
     max_nonfinite_steps: int = Field(3, gt=0)
+    # Log grad_norm_positive/negative too (2 extra forward+backward passes per micro-batch).
+    grad_norm_by_sign: bool = False
 
     @model_validator(mode="after")
     def _micro_divides(self) -> TrainConfig:

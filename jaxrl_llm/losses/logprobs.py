@@ -1,4 +1,4 @@
-"""Token log-probs, entropy and FPA extrapolated log-probs without materialising logits.
+"""Token log-probs, entropy, FPA log-probs and forward KL without materialising logits.
 
 SPEC §1: for final hidden states `H [B,T,d]` and an unembedding `W [d,V]`,
 
@@ -10,8 +10,11 @@ chunks of `chunk_size` columns with an online logsumexp, and a `jax.custom_vjp` 
 each logit chunk in the backward pass (one extra matmul per logit term) instead of saving it.
 Peak temporary memory is O(B·T·chunk_size) instead of O(B·T·V).
 
-Both public functions are thin callers of one kernel, `_chunked_logprobs`, which evaluates
-logits of the general form
+`token_forward_kl_chunked` streams two models' logits through the same chunk loop
+(`_scan_vocab`, `_chunk_logits`) to give the exact per-token KL(π_ref ‖ π_θ) (SPEC §3).
+
+`token_logprobs` and `extrapolated_logprobs` are thin callers of one kernel,
+`_chunked_logprobs`, which evaluates logits of the general form
 
     z = Σ_i c_i · cap(H_i W_i)        cap(x) = s·tanh(x/s)   (identity when softcap is None)
 
@@ -76,11 +79,24 @@ def _chunk_starts(vocab: int, chunk_size: int) -> tuple[int, int]:
     return vocab // chunk_size, vocab % chunk_size
 
 
+def _scan_vocab(update, carry, vocab: int, chunk_size: int):
+    """Fold `update(carry, start, size)` over the vocabulary: a `lax.scan` over the full
+    chunks, then the remainder chunk (if any) with its own static width."""
+    n_full, rem = _chunk_starts(vocab, chunk_size)
+    if n_full:
+        carry, _ = jax.lax.scan(
+            lambda c, i: (update(c, i * chunk_size, chunk_size), None),
+            carry, jnp.arange(n_full),
+        )
+    if rem:
+        carry = update(carry, n_full * chunk_size, rem)
+    return carry
+
+
 def _forward_stats(terms, coefs, targets, chunk_size, softcap):
     """One pass over the vocabulary: target logit, logsumexp and Σ_v softmax·z (entropy)."""
     n = targets.shape[0]
     vocab = terms[0][1].shape[1]
-    n_full, rem = _chunk_starts(vocab, chunk_size)
 
     def update(carry, start, size):
         m, s, a, tgt = carry
@@ -95,14 +111,7 @@ def _forward_stats(terms, coefs, targets, chunk_size, softcap):
 
     zeros = jnp.zeros((n,), jnp.float32)
     carry = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-    if n_full:
-        carry, _ = jax.lax.scan(
-            lambda c, i: (update(c, i * chunk_size, chunk_size), None),
-            carry, jnp.arange(n_full),
-        )
-    if rem:
-        carry = update(carry, n_full * chunk_size, rem)
-    m, s, a, tgt = carry
+    m, s, a, tgt = _scan_vocab(update, carry, vocab, chunk_size)
     lse = m + jnp.log(s)
     entropy = lse - a / s  # −Σ p log p = lse − Σ p z
     in_vocab = (targets >= 0) & (targets < vocab)
@@ -133,7 +142,6 @@ def _chunked_logprobs_bwd(chunk_size, softcap, residuals, cotangents):
     terms, coefs, targets, lse, entropy = residuals
     g_logp, g_ent = cotangents
     vocab = terms[0][1].shape[1]
-    n_full, rem = _chunk_starts(vocab, chunk_size)
     g_logp = g_logp.astype(jnp.float32)
     g_ent = g_ent.astype(jnp.float32)
 
@@ -166,14 +174,7 @@ def _chunked_logprobs_bwd(chunk_size, softcap, residuals, cotangents):
         [jnp.zeros_like(w) for _, w in terms],
         jnp.zeros(coefs.shape, jnp.float32),
     )
-    if n_full:
-        carry, _ = jax.lax.scan(
-            lambda c, i: (update(c, i * chunk_size, chunk_size), None),
-            carry, jnp.arange(n_full),
-        )
-    if rem:
-        carry = update(carry, n_full * chunk_size, rem)
-    dhs, dws, dcoefs = carry
+    dhs, dws, dcoefs = _scan_vocab(update, carry, vocab, chunk_size)
     d_terms = tuple((dh.astype(h.dtype), dw) for dh, dw, (h, _) in zip(dhs, dws, terms))
     return d_terms, dcoefs.astype(coefs.dtype), None
 
@@ -182,6 +183,87 @@ _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 # Jitted so that eager callers (a scoring loop, a notebook) compile the kernel once per shape
 # instead of dispatching its ops one by one; inside an outer jit this is inlined.
 _chunked_logprobs_jit = jax.jit(_chunked_logprobs, static_argnums=(3, 4))
+
+
+# ------------------------------------------------------- exact forward KL (the same machinery)
+
+
+def _forward_kl_stats(policy, ref, coefs, chunk_size, softcap):
+    """One pass over the vocabulary for both models: per row the policy's and the reference's
+    logsumexp and `KL = Σ_v q_v (r_v − z_v) − lse_r + lse_z` (q = softmax(r), the reference).
+
+    `Σ_v q_v (r_v − z_v)` is accumulated online like the entropy sum: a running
+    `Σ exp(r − m_r)(r − z)` rescaled whenever the reference's running max `m_r` grows.
+    """
+    n = policy[0].shape[0]
+    vocab = policy[1].shape[1]
+
+    def update(carry, start, size):
+        m_z, s_z, m_r, s_r, a = carry
+        z, _, _ = _chunk_logits((policy,), coefs[:1], start, size, softcap)
+        r, _, _ = _chunk_logits((ref,), coefs[1:], start, size, softcap)
+        m_z_new = jnp.maximum(m_z, jnp.max(z, axis=1))
+        s_z = s_z * jnp.exp(m_z - m_z_new) + jnp.sum(jnp.exp(z - m_z_new[:, None]), axis=1)
+        m_r_new = jnp.maximum(m_r, jnp.max(r, axis=1))
+        rescale = jnp.exp(m_r - m_r_new)
+        e_r = jnp.exp(r - m_r_new[:, None])
+        s_r = s_r * rescale + jnp.sum(e_r, axis=1)
+        a = a * rescale + jnp.sum(e_r * (r - z), axis=1)
+        return m_z_new, s_z, m_r_new, s_r, a
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    neg_inf = jnp.full((n,), -jnp.inf, jnp.float32)
+    m_z, s_z, m_r, s_r, a = _scan_vocab(
+        update, (neg_inf, zeros, neg_inf, zeros, zeros), vocab, chunk_size
+    )
+    lse_z = m_z + jnp.log(s_z)
+    lse_r = m_r + jnp.log(s_r)
+    return a / s_r - lse_r + lse_z, lse_z, lse_r
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_forward_kl(policy, ref, coefs, chunk_size, softcap):
+    return _forward_kl_stats(policy, ref, coefs, chunk_size, softcap)[0]
+
+
+def _chunked_forward_kl_fwd(policy, ref, coefs, chunk_size, softcap):
+    kl, lse_z, lse_r = _forward_kl_stats(policy, ref, coefs, chunk_size, softcap)
+    return kl, (policy, ref, coefs, lse_z, lse_r)  # no logits saved
+
+
+def _chunked_forward_kl_bwd(chunk_size, softcap, residuals, g_kl):
+    """∂KL/∂z_v = p_v − q_v (policy minus reference softmax), recomputed chunk by chunk and
+    pushed through cap and 1/τ to the policy's H and W. The reference and the coefficients
+    are constants of this function (the public caller wraps them in `stop_gradient`)."""
+    policy, ref, coefs, lse_z, lse_r = residuals
+    h, w = policy
+    vocab = w.shape[1]
+    g_kl = g_kl.astype(jnp.float32)
+
+    def update(carry, start, size):
+        dh, dw = carry
+        z, raws, _ = _chunk_logits((policy,), coefs[:1], start, size, softcap)
+        r, _, _ = _chunk_logits((ref,), coefs[1:], start, size, softcap)
+        dz = g_kl[:, None] * (jnp.exp(z - lse_z[:, None]) - jnp.exp(r - lse_r[:, None]))
+        dcap = dz * coefs[0]
+        if softcap is not None:
+            dcap = dcap * (1.0 - jnp.square(jnp.tanh(raws[0] / softcap)))
+        dcap_in = dcap.astype(h.dtype)
+        w_chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
+        dh = dh + jnp.matmul(dcap_in, w_chunk.T, preferred_element_type=jnp.float32)
+        dw_chunk = jnp.matmul(h.T, dcap_in, preferred_element_type=jnp.float32)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(w.dtype), start, 1)
+        return dh, dw
+
+    dh, dw = _scan_vocab(
+        update, (jnp.zeros(h.shape, jnp.float32), jnp.zeros_like(w)), vocab, chunk_size
+    )
+    d_ref = jax.tree.map(jnp.zeros_like, ref)
+    return (dh.astype(h.dtype), dw), d_ref, jnp.zeros_like(coefs)
+
+
+_chunked_forward_kl.defvjp(_chunked_forward_kl_fwd, _chunked_forward_kl_bwd)
+_chunked_forward_kl_jit = jax.jit(_chunked_forward_kl, static_argnums=(3, 4))
 
 
 # ----------------------------------------------------------------------- argument checks
@@ -361,3 +443,59 @@ def extrapolated_logprobs(
     )
     logp, _ = _chunked_logprobs_jit(terms, coefs, targets.reshape(b * t), int(chunk_size), softcap)
     return logp.reshape(b, t)
+
+
+def token_forward_kl_chunked(
+    hidden: jax.Array,
+    unembed: jax.Array,
+    ref_hidden: jax.Array,
+    ref_unembed: jax.Array,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float | jax.Array = 1.0,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Exact per-token forward KL `KL(π_ref ‖ π_θ)_t = Σ_v q_t,v (log q_t,v − log p_t,v)`.
+
+    The exact per-token form of the Forward-KL Off-RL regulariser (SPEC §3, 002 eq. 33), fed
+    to `off_rl_kl_loss(token_kl=…)`. `p = softmax(cap(H W)/τ)` is the policy and
+    `q = softmax(cap(H_ref W_ref)/τ)` the reference, at the same context (position t of both
+    hidden-state arrays). Both models' logits are streamed over vocabulary chunks with an
+    online logsumexp (the same chunk machinery as `token_logprobs`), so neither model's
+    `B×T×V` logits exist at once.
+
+    Gradients flow to `hidden` and `unembed` only (`∂KL/∂z = p − q`, recomputed chunk by
+    chunk in the backward pass); the reference arrays and `temperature` are treated as
+    constants (`stop_gradient`).
+
+    Args:
+      hidden, unembed: the trained policy's `[B,T,d]` and `[d,V]` (same dtype).
+      ref_hidden, ref_unembed: the reference model's `[B,T,d_ref]` and `[d_ref,V]`; the hidden
+        size may differ, the vocabulary may not.
+      chunk_size, temperature, softcap: as in `token_logprobs` (applied to both models).
+    Returns:
+      `kl [B, T]` float32 (≥ 0 up to rounding).
+    """
+    _check_hidden_unembed("hidden", hidden, "unembed", unembed)
+    _check_hidden_unembed("ref_hidden", ref_hidden, "ref_unembed", ref_unembed)
+    if tuple(jnp.shape(ref_hidden)[:2]) != tuple(jnp.shape(hidden)[:2]):
+        raise ValueError(
+            f"ref_hidden [B, T] = {tuple(jnp.shape(ref_hidden)[:2])} must equal hidden's "
+            f"{tuple(jnp.shape(hidden)[:2])}"
+        )
+    if jnp.shape(ref_unembed)[1] != jnp.shape(unembed)[1]:
+        raise ValueError(
+            f"ref_unembed has V={jnp.shape(ref_unembed)[1]} but unembed has "
+            f"V={jnp.shape(unembed)[1]}; both models must share the vocabulary"
+        )
+    _check_options(chunk_size, softcap, temperature)
+    b, t, d = hidden.shape
+    inv_tau = jax.lax.stop_gradient(1.0 / jnp.asarray(temperature, jnp.float32))
+    coefs = jnp.stack([inv_tau, inv_tau])
+    policy = (hidden.reshape(b * t, d), unembed)
+    ref = jax.lax.stop_gradient(
+        (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed)
+    )
+    kl = _chunked_forward_kl_jit(policy, ref, coefs, int(chunk_size), softcap)
+    chex.assert_shape(kl, (b * t,))
+    return kl.reshape(b, t)

@@ -20,7 +20,11 @@ from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch
 from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses.advantages import grpo_advantages
-from jaxrl_llm.losses.logprobs import extrapolated_logprobs, token_logprobs
+from jaxrl_llm.losses.logprobs import (
+    extrapolated_logprobs,
+    token_forward_kl_chunked,
+    token_logprobs,
+)
 from jaxrl_llm.losses.types import LossOutput
 
 TOPR_FAMILY = ("topr", "sft", "reinforce", "opr", "tis")
@@ -118,9 +122,20 @@ def compute_loss(
     if name == "off_rl":
         return pg.off_rl_loss(logp, mask, batch.rewards, correct=batch.correct, record_mask=rm)
     if name == "off_rl_kl":
+        token_kl = None
+        if lc.kl_exact:
+            if ref_hidden is None or ref_unembed is None:
+                raise ConfigError(
+                    "loss.kl_exact=true needs the reference model's hidden states: set "
+                    "train.ref_logprobs: model"
+                )
+            token_kl = token_forward_kl_chunked(
+                hidden, unembed, ref_hidden, ref_unembed, chunk_size=chunk, temperature=tau,
+                softcap=softcap,
+            )
         return pg.off_rl_kl_loss(
-            logp, ref_logp(), mask, batch.rewards, tau=lc.kl_tau, correct=batch.correct,
-            record_mask=rm,
+            logp, ref_logp(), mask, batch.rewards, tau=lc.kl_tau, token_kl=token_kl,
+            correct=batch.correct, record_mask=rm,
         )
     if name == "fpa":
         if ref_hidden is None or ref_unembed is None:

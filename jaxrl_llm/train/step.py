@@ -14,6 +14,12 @@ One step:
    `stop_gradient`, with its parameters sharded like the policy's.
 4. Non-finite loss or gradient norm: the update is skipped (params, optimizer state and step
    unchanged) and `metrics["update_skipped"] = 1`; we never train on NaN.
+5. `train.grad_norm_by_sign` (issue 8, 002 Fig. 2's positive/negative split): the same
+   micro-batch scan also takes the gradients of the loss restricted to positive and to
+   negative records (`record_mask` zeroed on the others, see `positive_records`), both
+   divided by the full batch's Σ weight. Every loss it allows is a `record_mask`-weighted sum
+   of per-record terms with advantages fixed before masking, so g⁺ + g⁻ = g exactly and
+   `grad_norm_positive`/`grad_norm_negative` are ‖g⁺‖, ‖g⁻‖.
 """
 
 from __future__ import annotations
@@ -33,7 +39,13 @@ from jaxrl_llm.data.batch import Batch
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree
-from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
+from jaxrl_llm.train.loss_fn import (
+    GROUP_LOSSES,
+    TOPR_FAMILY,
+    batch_advantages,
+    compute_loss,
+    needs_full_batch,
+)
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.state import TrainState, cast_to_dtypes, needs_reference_model
 
@@ -103,13 +115,50 @@ def _split_micro(batch: Batch, n: int, mesh: Mesh) -> Batch:
     return batch.replace(**fields)
 
 
+# Which records count as positive for `train.grad_norm_by_sign`, per loss family.
+SIGN_DEFINITIONS = {
+    **{name: "reward - loss.baseline >= 0" for name in (*TOPR_FAMILY, "ppo")},
+    **{name: "group advantage >= 0" for name in GROUP_LOSSES},
+    **{name: "batch.correct" for name in ("off_rl", "off_rl_kl", "fpa")},
+}
+
+
+def check_sign_split(config: ExperimentConfig) -> None:
+    """`train.grad_norm_by_sign` needs a loss that is a sum over records (not pairs)."""
+    if config.train.grad_norm_by_sign and config.loss.name not in SIGN_DEFINITIONS:
+        raise ConfigError(
+            f"train.grad_norm_by_sign is not defined for loss.name={config.loss.name}: its "
+            "loss couples records (pairs / batch mean); allowed: "
+            + ", ".join(sorted(SIGN_DEFINITIONS))
+        )
+
+
+def positive_records(config: ExperimentConfig, batch: Batch, adv: jax.Array | None) -> jax.Array:
+    """[B] bool: the records on the positive side of the split (`SIGN_DEFINITIONS`).
+
+    TOPR family and PPO use the kernel's own rule `A = R − baseline ≥ 0` (000 eq. 7); the
+    GRPO family the full-batch group advantage `Â ≥ 0`; Off-RL/FPA, which have no baseline,
+    the verifier's `correct` flag (002's correct/incorrect split)."""
+    name = config.loss.name
+    if name in GROUP_LOSSES:
+        return adv >= 0
+    if name in TOPR_FAMILY or name == "ppo":
+        return batch.rewards - jnp.float32(config.loss.baseline) >= 0
+    return batch.correct.astype(bool)
+
+
 def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
-    """`(params, state, batch) -> (grads, total, weight, metrics)` summed over micro-batches
-    (gradients of Σ total, not yet divided). Exposed for tests and the benchmark."""
+    """`(params, state, batch) -> (grads, total, weight, metrics, sign_grads)` summed over
+    micro-batches (gradients of Σ total, not yet divided). `sign_grads` is None, or with
+    `train.grad_norm_by_sign` the pair (g⁺, g⁻) of gradients of the positive and negative
+    records' Σ total (g⁺ + g⁻ = grads). Exposed for tests and the benchmark."""
+    check_sign_split(config)
     use_ref = needs_reference_model(config)
+    by_sign = config.train.grad_norm_by_sign
     grad_shardings = jax.tree.map(lambda x: x.sharding, state.params)
 
     def micro_step(params, st: TrainState, mb: Batch, adv):
+        """(gradient trees, LossOutput): (g,) or, when split by sign, (g, g⁺, g⁻)."""
         ref_hidden = ref_unembed = None
         if use_ref:
             ref_params = jax.lax.stop_gradient(st.ref_params)
@@ -118,34 +167,47 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
             ref_hidden = jax.lax.stop_gradient(ref_hidden)
             ref_unembed = jax.lax.stop_gradient(ref_unembed)
 
-        def loss_of(p):
-            hidden, unembed, softcap = forward(
-                st.graphdef, cast_to_dtypes(p, st.param_dtypes), st.model_state, mb, mesh
-            )
-            out: LossOutput = compute_loss(
-                config, mb, hidden, unembed, ref_hidden=ref_hidden, ref_unembed=ref_unembed,
-                softcap=softcap, advantages=adv,
-            )
-            return out.total, out
+        def grad_of(b: Batch):
+            def loss_of(p):
+                hidden, unembed, softcap = forward(
+                    st.graphdef, cast_to_dtypes(p, st.param_dtypes), st.model_state, b, mesh
+                )
+                out: LossOutput = compute_loss(
+                    config, b, hidden, unembed, ref_hidden=ref_hidden,
+                    ref_unembed=ref_unembed, softcap=softcap, advantages=adv,
+                )
+                return out.total, out
 
-        (_, out), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        return grads, out
+            (_, out), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            return jax.lax.with_sharding_constraint(grads, grad_shardings), out
+
+        grads, out = grad_of(mb)
+        if not by_sign:
+            return (grads,), out
+        # Same loss code on the same rows, only `record_mask` restricted to one side.
+        pos = positive_records(config, mb, adv).astype(mb.record_mask.dtype)
+        g_pos, _ = grad_of(mb.replace(record_mask=mb.record_mask * pos))
+        g_neg, _ = grad_of(mb.replace(record_mask=mb.record_mask * (1.0 - pos)))
+        return (grads, g_pos, g_neg), out
+
+    def split_result(parts):
+        return parts[0], (tuple(parts[1:]) if by_sign else None)
 
     def loss_and_grad(params, st: TrainState, batch: Batch):
         n = num_micro_batches(config, batch.batch_size, mesh)
         adv = batch_advantages(config, batch)
         if n == 1:
-            grads, out = micro_step(params, st, batch, adv)
-            return grads, out.total, out.weight, dict(out.metrics)
+            parts, out = micro_step(params, st, batch, adv)
+            grads, sign_grads = split_result(parts)
+            return grads, out.total, out.weight, dict(out.metrics), sign_grads
         micro = _split_micro(batch, n, mesh)
         adv_micro = None if adv is None else adv.reshape(n, -1)
 
         def body(carry, xs):
             g_acc, total, weight = carry
             mb, a = xs
-            grads, out = micro_step(params, st, mb, a)
-            g_acc = jax.tree.map(jnp.add, g_acc, grads)
+            parts, out = micro_step(params, st, mb, a)
+            g_acc = jax.tree.map(jnp.add, g_acc, parts)
             # Kernel metrics are per micro-batch means: weight them by the micro-batch weight.
             weighted = {k: v * out.weight for k, v in out.metrics.items()}
             return (g_acc, total + out.total, weight + out.weight), (weighted, out.weight)
@@ -153,13 +215,16 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
         zeros = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings
         )
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, total, weight), (weighted, weights) = jax.lax.scan(
+        num_parts = 3 if by_sign else 1
+        init = (tuple(zeros for _ in range(num_parts)), jnp.zeros((), jnp.float32),
+                jnp.zeros((), jnp.float32))
+        (parts, total, weight), (weighted, weights) = jax.lax.scan(
             body, init, (micro, adv_micro)
         )
         denom = jnp.maximum(jnp.sum(weights), 1e-12)
         metrics = {k: jnp.sum(v) / denom for k, v in weighted.items()}
-        return grads, total, weight, metrics
+        grads, sign_grads = split_result(parts)
+        return grads, total, weight, metrics, sign_grads
 
     return loss_and_grad
 
@@ -173,9 +238,15 @@ def train_step_fn(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         batch.check_shapes()
-        grads, total, weight, kernel_metrics = loss_and_grad(state.params, state, batch)
+        grads, total, weight, kernel_metrics, sign_grads = loss_and_grad(
+            state.params, state, batch
+        )
         inv_weight = 1.0 / jnp.maximum(weight, 1e-12)
-        grads = jax.tree.map(lambda g: (g * inv_weight).astype(jnp.float32), grads)
+
+        def normalise(tree):
+            return jax.tree.map(lambda g: (g * inv_weight).astype(jnp.float32), tree)
+
+        grads = normalise(grads)
         loss = total * inv_weight
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -201,6 +272,11 @@ def train_step_fn(
             "completion_tokens": jnp.sum(batch.loss_mask * batch.record_mask[:, None]),
             **{f"loss/{k}": jnp.asarray(v, jnp.float32) for k, v in kernel_metrics.items()},
         }
+        if sign_grads is not None:
+            # Both sides over the full batch's weight, so the two gradients sum to `grads`.
+            g_pos, g_neg = sign_grads
+            metrics["grad_norm_positive"] = optax.tree.norm(normalise(g_pos))
+            metrics["grad_norm_negative"] = optax.tree.norm(normalise(g_neg))
         return new_state, metrics
 
     return train_step
