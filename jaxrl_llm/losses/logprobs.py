@@ -113,10 +113,12 @@ def _forward_stats(terms, coefs, targets, chunk_size, softcap):
     carry = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
     m, s, a, tgt = _scan_vocab(update, carry, vocab, chunk_size)
     lse = m + jnp.log(s)
-    entropy = lse - a / s  # −Σ p log p = lse − Σ p z
+    # fp32 rounding of lse − z grows with |z| (≈1e-7·|z|): clamp so that log p ≤ 0 and
+    # entropy ≥ 0 always hold (records refuse positive log-probs).
+    entropy = jnp.maximum(lse - a / s, 0.0)  # −Σ p log p = lse − Σ p z
     in_vocab = (targets >= 0) & (targets < vocab)
     # Out-of-range targets give NaN (as a gather out of bounds would), never a wrong number.
-    logp = jnp.where(in_vocab, tgt - lse, jnp.nan)
+    logp = jnp.where(in_vocab, jnp.minimum(tgt - lse, 0.0), jnp.nan)
     return logp, entropy, lse
 
 
@@ -218,7 +220,7 @@ def _forward_kl_stats(policy, ref, coefs, chunk_size, softcap):
     )
     lse_z = m_z + jnp.log(s_z)
     lse_r = m_r + jnp.log(s_r)
-    return a / s_r - lse_r + lse_z, lse_z, lse_r
+    return jnp.maximum(a / s_r - lse_r + lse_z, 0.0), lse_z, lse_r  # KL ≥ 0 despite rounding
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -291,7 +291,7 @@ def test_property_finite_jit_equals_eager_and_matches_naive(problem):
                      argnums=(0, 1))(hidden, unembed)
     for arr in (*eager, *grads):
         assert np.isfinite(arr).all()
-    assert (eager[0] <= 1e-6).all() and (eager[1] >= -1e-5).all()  # log p ≤ 0, entropy ≥ 0
+    assert (eager[0] <= 0).all() and (eager[1] >= 0).all()  # log p ≤ 0, entropy ≥ 0, always
     logits = naive_logits(hidden, unembed, temperature=temperature, softcap=softcap)
     # jit and eager fuse differently; fp32 rounding of lse − Σ p·z scales with the logits' size.
     zscale = max(1.0, float(jnp.abs(logits).max()))
