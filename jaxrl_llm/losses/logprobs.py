@@ -292,6 +292,22 @@ def _check_hidden_unembed(h_name: str, hidden, w_name: str, unembed) -> None:
         )
 
 
+def _check_policy_and_reference(hidden, unembed, ref_hidden, ref_unembed) -> None:
+    """Both models' inputs, and that they cover the same tokens and the same vocabulary."""
+    _check_hidden_unembed("hidden", hidden, "unembed", unembed)
+    _check_hidden_unembed("ref_hidden", ref_hidden, "ref_unembed", ref_unembed)
+    if tuple(jnp.shape(ref_hidden)[:2]) != tuple(jnp.shape(hidden)[:2]):
+        raise ValueError(
+            f"ref_hidden [B, T] = {tuple(jnp.shape(ref_hidden)[:2])} must equal hidden's "
+            f"{tuple(jnp.shape(hidden)[:2])}"
+        )
+    if jnp.shape(ref_unembed)[1] != jnp.shape(unembed)[1]:
+        raise ValueError(
+            f"ref_unembed has V={jnp.shape(ref_unembed)[1]} but unembed has "
+            f"V={jnp.shape(unembed)[1]}; both models must share the vocabulary"
+        )
+
+
 def _check_targets(targets, hidden_shape: tuple[int, ...], vocab: int) -> None:
     if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
         raise TypeError(f"targets must be integer token ids; got dtype {jnp.result_type(targets)}")
@@ -416,18 +432,7 @@ def extrapolated_logprobs(
     Returns:
       `logp_hat [B, T]` float32.
     """
-    _check_hidden_unembed("hidden", hidden, "unembed", unembed)
-    _check_hidden_unembed("ref_hidden", ref_hidden, "ref_unembed", ref_unembed)
-    if tuple(jnp.shape(ref_hidden)[:2]) != tuple(jnp.shape(hidden)[:2]):
-        raise ValueError(
-            f"ref_hidden [B, T] = {tuple(jnp.shape(ref_hidden)[:2])} must equal hidden's "
-            f"{tuple(jnp.shape(hidden)[:2])}"
-        )
-    if jnp.shape(ref_unembed)[1] != jnp.shape(unembed)[1]:
-        raise ValueError(
-            f"ref_unembed has V={jnp.shape(ref_unembed)[1]} but unembed has "
-            f"V={jnp.shape(unembed)[1]}; both models must share the vocabulary"
-        )
+    _check_policy_and_reference(hidden, unembed, ref_hidden, ref_unembed)
     _check_targets(targets, jnp.shape(hidden), jnp.shape(unembed)[1])
     _check_options(chunk_size, softcap, temperature)
     _check_positive("lam", lam, allow_zero=True)
@@ -476,20 +481,9 @@ def token_forward_kl_chunked(
         size may differ, the vocabulary may not.
       chunk_size, temperature, softcap: as in `token_logprobs` (applied to both models).
     Returns:
-      `kl [B, T]` float32 (≥ 0 up to rounding).
+      `kl [B, T]` float32, clamped at 0 against fp32 rounding.
     """
-    _check_hidden_unembed("hidden", hidden, "unembed", unembed)
-    _check_hidden_unembed("ref_hidden", ref_hidden, "ref_unembed", ref_unembed)
-    if tuple(jnp.shape(ref_hidden)[:2]) != tuple(jnp.shape(hidden)[:2]):
-        raise ValueError(
-            f"ref_hidden [B, T] = {tuple(jnp.shape(ref_hidden)[:2])} must equal hidden's "
-            f"{tuple(jnp.shape(hidden)[:2])}"
-        )
-    if jnp.shape(ref_unembed)[1] != jnp.shape(unembed)[1]:
-        raise ValueError(
-            f"ref_unembed has V={jnp.shape(ref_unembed)[1]} but unembed has "
-            f"V={jnp.shape(unembed)[1]}; both models must share the vocabulary"
-        )
+    _check_policy_and_reference(hidden, unembed, ref_hidden, ref_unembed)
     _check_options(chunk_size, softcap, temperature)
     b, t, d = hidden.shape
     inv_tau = jax.lax.stop_gradient(1.0 / jnp.asarray(temperature, jnp.float32))
