@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("jaxrl_llm.quickstart", "the whole flow on CPU in minutes: SFT, TOPR, before/after table"),
 }
 
+# Commands that place arrays on devices: on a TPU pod / SLURM job / JAXRL_* launch every host
+# runs the same command, which must join the multi-host job before touching a device.
+DEVICE_COMMANDS = frozenset({"generate", "score", "train", "export", "evaluate", "iterate"})
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -51,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxrl_llm.config import ConfigError
 
     try:
+        if args.command in DEVICE_COMMANDS:
+            from jaxrl_llm.parallel.distributed import initialize
+
+            initialize()  # no-op on a single host (parallel/distributed.py)
         code = module.run(args)
     except ConfigError as err:
         print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)

@@ -103,7 +103,7 @@ def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfi
         temperature=g.temperature if e.temperature is None else e.temperature,
         max_new_tokens=e.max_new_tokens or g.max_new_tokens,
         batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=e.maj_k,
-        trials=e.bootstrap_trials,
+        trials=e.bootstrap_trials, chat_template=config.data.chat_template,
     )
     summary["label"] = label
     if step is not None:
@@ -182,6 +182,7 @@ def run_iteration(
             max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
             seed=config.seed * 1000 + index, stop_at_eos=g.stop_at_eos,
             model_name=f"iter_{index - 1}", overwrite=True, progress=progress,
+            chat_template=d.chat_template,
         )
         sample_stats = record_sample_metrics(config, index, records)
         log.mark("generate", {"records": str(records), "num_records": manifest.num_records,
@@ -196,10 +197,14 @@ def run_iteration(
         t0 = time.perf_counter()
         info: dict[str, Any] = {"skipped": True}
         if needs_mu:
+            from jaxrl_llm.parallel.mesh import make_mesh
+
+            # The trainer's mesh (the Trainer below builds the same one when `mesh` is None).
             info = score_records(model, str(records), str(scored), temperature=None,
                                  batch_size=g.score_batch_size,
                                  chunk_size=config.loss.logprob_chunk_size,
-                                 model_name=f"iter_{index - 1}", progress=progress)
+                                 model_name=f"iter_{index - 1}", progress=progress,
+                                 mesh=mesh if mesh is not None else make_mesh(config.mesh))
         log.mark("score", {**info, "seconds": time.perf_counter() - t0})
     source = scored if needs_mu else records
 

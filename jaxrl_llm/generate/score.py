@@ -6,9 +6,22 @@ the model's final-logit softcap — exactly what the train step computes at step
 π/μ = 1 there. Output mirrors the input's shards; each output shard is written whole and
 renamed into place, so an interrupted run resumes by skipping finished shards.
 
+Sharded like training: the parameters are placed on the ("data", "fsdp", "tensor") mesh by
+the trainer's logical-axis rules (`parallel.rules`), each call's rows are split over
+("data", "fsdp"), and the hidden states and unembedding carry the train step's sharding
+constraints (`train.step.forward`), so a model that only fits sharded (Llama-3-8B on a v5e
+pod) scores where it trains.
+
+Multi-host (`jax.process_count() > 1`): input shard i is scored by process i mod P. Every
+process feeds its own rows as the process-local part of each global batch and reads back its
+own rows; all processes make the same sequence of jitted calls (same count, same row length),
+padding with all-padding batches, and write their own output shards. After a barrier process
+0 writes the manifest.
+
 When the sampler's log-probs are present the sampler-vs-trainer mismatch is reported: mean
 |Δ log-prob| per token, a KL(sampler ‖ trainer) estimate (k3 per token), and the effective
-sample size of sequence-level weights exp(Σ(log μ − log q)) as a fraction of N.
+sample size of sequence-level weights exp(Σ(log μ − log q)) as a fraction of N — over all
+processes' records, identical on every process.
 """
 
 from __future__ import annotations
@@ -16,22 +29,33 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxrl_llm.config import ConfigError, MeshConfig
 from jaxrl_llm.data.loader import collate, record_row
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.data.shards import RecordSource, write_manifest, write_shard
+from jaxrl_llm.data.shards import Manifest, RecordSource, write_manifest, write_shard
+from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards, make_mesh
+
+BATCH_SIZE_KEY = "generate.score_batch_size"
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
+
+
+# -- mismatch metrics ----------------------------------------------------------------------
+
+# Per-process sufficient statistics: tokens, Σ|d|, Σk3, sequences, max log-weight, Σw, Σw²
+# (w = exp(log-weight − max)); combining them over processes gives the global metrics.
+NUM_MISMATCH_STATS = 7
 
 
 @dataclasses.dataclass
@@ -50,59 +74,150 @@ class Mismatch:
         self.k3 += float((np.expm1(d) - d).sum())  # E_q[(r − 1) − log r] = KL(q ‖ p)
         self.seq_log_weights.append(float(d.sum()))
 
-    def metrics(self) -> dict[str, float]:
-        if not self.tokens:
+    def stats(self) -> np.ndarray:
+        """float64 [NUM_MISMATCH_STATS]: this process's sufficient statistics."""
+        lw = np.asarray(self.seq_log_weights, np.float64)
+        top = float(lw.max()) if lw.size else -np.inf
+        w = np.exp(lw - top) if lw.size else lw
+        return np.asarray([self.tokens, self.abs_diff, self.k3, lw.size, top, w.sum(), (w**2).sum()],
+                          np.float64)
+
+    @staticmethod
+    def combine(stats: np.ndarray) -> dict[str, float]:
+        """The metrics of the union of the records behind each row of `stats` [P, 7]."""
+        tokens, abs_diff, k3, count, top, s1, s2 = np.asarray(stats, np.float64).T
+        if not tokens.sum():
             return {}
-        lw = np.asarray(self.seq_log_weights)
-        w = np.exp(lw - lw.max())
-        ess = float(w.sum() ** 2 / (w**2).sum() / lw.size)
-        return {"mismatch/mean_abs_logprob_diff": self.abs_diff / self.tokens,
-                "mismatch/kl_sampler_trainer": self.k3 / self.tokens,
-                "mismatch/ess_fraction": ess, "mismatch/num_sequences": float(lw.size)}
+        has = count > 0
+        scale = np.exp(top[has] - top[has].max())  # each process's weights onto the global max
+        w_sum, w2_sum = float((s1[has] * scale).sum()), float((s2[has] * scale**2).sum())
+        n = float(count.sum())
+        return {"mismatch/mean_abs_logprob_diff": float(abs_diff.sum() / tokens.sum()),
+                "mismatch/kl_sampler_trainer": float(k3.sum() / tokens.sum()),
+                "mismatch/ess_fraction": w_sum**2 / w2_sum / n, "mismatch/num_sequences": n}
+
+    def metrics(self) -> dict[str, float]:
+        return self.combine(self.stats()[None])
 
 
-def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, devices: Sequence[Any] | None = None):
-    """A jitted `(inputs, targets, positions, segment_ids) -> logp [B, T]` for `model`.
+# -- the sharded scorer --------------------------------------------------------------------
 
-    With several `devices` the batch rows are sharded over them (data parallel, parameters
-    replicated), as the train step shards its batch; B must divide by the device count.
+
+class _ModelInputs(NamedTuple):
+    """The fields of a `Batch` that `train.step.forward` reads (the score pass needs no more)."""
+
+    inputs: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+
+
+def default_mesh(devices: Sequence[Any] | None = None) -> Mesh:
+    """A data-parallel ("data", "fsdp", "tensor") = (n, 1, 1) mesh over `devices`.
+
+    Default: one device in a single-process run (the score pass's historical behaviour), every
+    device of the job in a multi-process one (a mesh must span all processes).
     """
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from jaxrl_llm.losses.logprobs import token_logprobs
-
-    graphdef, state = nnx.split(model)
-    softcap = getattr(model, "final_logit_softcap", None)
-    vocab = int(model.unembedding().shape[1])
-    chunk = min(chunk_size, vocab)
-    rows = None
-    if devices is not None and len(devices) > 1:
-        mesh = Mesh(np.asarray(devices), ("data",))
-        rows = NamedSharding(mesh, PartitionSpec("data"))
-        state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
-
-    @jax.jit
-    def score(state, inputs, targets, positions, segment_ids):
-        m = nnx.merge(graphdef, state)
-        hidden = m(inputs, positions=positions, segment_ids=segment_ids)
-        unembed = m.unembedding().astype(hidden.dtype)
-        return token_logprobs(hidden, unembed, targets, chunk_size=chunk, temperature=temperature,
-                              softcap=softcap)
-
-    def run(*arrays: np.ndarray) -> np.ndarray:
-        if rows is not None:
-            if arrays[0].shape[0] % len(devices):
-                raise ValueError(f"score batch of {arrays[0].shape[0]} rows does not divide over {len(devices)} devices")
-            arrays = tuple(jax.device_put(a, rows) for a in arrays)
-        return np.asarray(score(state, *map(jnp.asarray, arrays)))
-
-    return run
+    if devices is None:
+        devices = jax.devices() if jax.process_count() > 1 else jax.devices()[:1]
+    return make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), list(devices))
 
 
-def score_batch(scorer, records: Sequence[Record], batch_size: int) -> list[np.ndarray]:
-    """μ log-probs (one array per record, aligned with its completion)."""
+def _local_rows(array: jax.Array) -> np.ndarray:
+    """This process's rows of a row-sharded global array, in global row order."""
+    parts: dict[int, Any] = {}
+    for shard in array.addressable_shards:
+        parts.setdefault(shard.index[0].start or 0, shard.data)  # "tensor" replicas: keep one
+    return np.concatenate([np.asarray(parts[start]) for start in sorted(parts)])
+
+
+def process_rows(mesh: Mesh, batch_size: int) -> int:
+    """Rows this process feeds per call of a global batch of `batch_size` rows on `mesh`.
+
+    Raises `ConfigError` naming `generate.score_batch_size` / `mesh.*` when the rows do not
+    split over the mesh, or when processes would share rows (a "tensor" axis across hosts).
+    """
+    shards = batch_shards(mesh)
+    if batch_size % shards:
+        raise ConfigError(
+            f"{BATCH_SIZE_KEY}={batch_size} must be a multiple of the mesh's data×fsdp = "
+            f"{shards} (mesh {dict(mesh.shape)}): the score pass splits each batch's rows over "
+            "those axes like the train step")
+    index_map = NamedSharding(mesh, P(BATCH_AXES)).devices_indices_map((batch_size, 1))
+    owned = {index[0].indices(batch_size) for device, index in index_map.items()
+             if device.process_index == jax.process_index()}
+    rows = sum(len(range(*s)) for s in owned)
+    if rows * jax.process_count() != batch_size:
+        raise ConfigError(
+            f"mesh {dict(mesh.shape)}: this process holds {rows} of {batch_size} rows over "
+            f"{jax.process_count()} processes; multi-process scoring needs every process to own "
+            "distinct rows (keep mesh.tensor within one host)")
+    return rows
+
+
+class Scorer:
+    """`(inputs, targets, positions, segment_ids) -> logp` of this process's rows (SPEC §0).
+
+    The parameters live on `mesh` with the trainer's sharding rules (`self.params`); the
+    non-trainable variables are replicated, as in `train.state.create_train_state`. Each call
+    takes this process's rows `[local_rows, T]` of a global batch of `batch_size` rows and
+    returns their float32 log-probs; all processes must call it together with the same T.
+    """
+
+    def __init__(self, model: Any, *, temperature: float, chunk_size: int, mesh: Mesh) -> None:
+        from jaxrl_llm.losses.logprobs import token_logprobs
+        from jaxrl_llm.parallel.rules import replicated, state_shardings
+        from jaxrl_llm.train.state import split_model
+        from jaxrl_llm.train.step import forward
+
+        graphdef, params, rest = split_model(model)
+        self.mesh = mesh
+        self.params = jax.tree.map(jax.device_put, params, state_shardings(params, mesh))
+        self.model_state = jax.tree.map(jax.device_put, rest, replicated(rest, mesh))
+        self.rows = NamedSharding(mesh, P(BATCH_AXES))
+
+        def score(params, model_state, inputs, targets, positions, segment_ids):
+            hidden, unembed, softcap = forward(graphdef, params, model_state,
+                                               _ModelInputs(inputs, positions, segment_ids), mesh)
+            # No-op whenever the trainer itself runs (it requires equal dtypes).
+            unembed = unembed.astype(hidden.dtype)
+            return token_logprobs(hidden, unembed, targets, chunk_size=chunk_size,
+                                  temperature=temperature, softcap=softcap)
+
+        self._score = jax.jit(score, out_shardings=self.rows)
+
+    def __call__(self, inputs: np.ndarray, targets: np.ndarray, positions: np.ndarray,
+                 segment_ids: np.ndarray) -> np.ndarray:
+        local = inputs.shape[0]
+        global_shape = (local * jax.process_count(), *inputs.shape[1:])
+        arrays = [jax.make_array_from_process_local_data(self.rows, np.asarray(a), global_shape)
+                  for a in (inputs, targets, positions, segment_ids)]
+        return _local_rows(self._score(self.params, self.model_state, *arrays))
+
+
+def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh: Mesh | None = None,
+                devices: Sequence[Any] | None = None) -> Scorer:
+    """A `Scorer` for `model` on `mesh` (SPEC §0).
+
+    `mesh` is normally the training mesh (`parallel.mesh.make_mesh(config.mesh)`); without
+    one, `devices` gives a data-parallel mesh over them, and neither gives `default_mesh()`.
+    """
+    if mesh is not None and devices is not None:
+        raise ValueError("make_scorer: pass mesh or devices, not both")
+    if mesh is None:
+        mesh = default_mesh(devices)
+    return Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh)
+
+
+def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
+                length: int | None = None) -> list[np.ndarray]:
+    """μ log-probs (one array per record, aligned with its completion).
+
+    `records` (possibly none: an all-padding batch keeps processes in lockstep) are padded to
+    `batch_size` rows of `length` tokens (default: the power-of-two bucket of the longest).
+    """
     rows = [record_row(r) for r in records]
-    length = _bucket(max(r["inputs"].size for r in rows))
+    if length is None:
+        length = _bucket(max(r["inputs"].size for r in rows))
     batch = collate(rows, batch_size, (length,))
     logp = scorer(batch.inputs, batch.targets, batch.positions, batch.segment_ids)
     out = []
@@ -110,6 +225,102 @@ def score_batch(scorer, records: Sequence[Record], batch_size: int) -> list[np.n
         p, c = r.prompt_ids.size, r.completion_ids.size
         out.append(logp[i, p - 1 : p - 1 + c].astype(np.float32))
     return out
+
+
+# -- the plan: which process scores what, in lockstep --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """One jitted call's worth of one process's records."""
+
+    shard: int  # position in the input manifest's shard list
+    indices: tuple[int, ...]  # record indices in the input directory
+    length: int  # row length (power-of-two bucket) these records need
+    last: bool  # the shard is complete after this batch
+
+
+@dataclasses.dataclass
+class _Plan:
+    work: list[_Work]  # this process's batches, in order
+    skipped: list[int]  # this process's shards finished by an earlier run
+    empty: list[int]  # this process's shards with no records (written without a call)
+    records: int  # records this process scores
+
+
+def _plan(manifest: Manifest, lengths: np.ndarray, out: epath.Path, local_rows: int) -> _Plan:
+    """This process's share: input shard i goes to process i mod P; finished shards skipped."""
+    counts = [int(s["count"]) for s in manifest.shards]
+    starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    row_len = lengths.sum(axis=1) - 1  # model input length of each record (SPEC §0 alignment)
+    plan = _Plan([], [], [], 0)
+    for s in range(jax.process_index(), len(counts), jax.process_count()):
+        if (out / manifest.shards[s]["path"]).exists():  # written whole, then renamed: complete
+            plan.skipped.append(s)
+            continue
+        if not counts[s]:
+            plan.empty.append(s)
+            continue
+        plan.records += counts[s]
+        for b in range(0, counts[s], local_rows):
+            idx = np.arange(starts[s] + b, min(starts[s] + b + local_rows, starts[s + 1]))
+            plan.work.append(_Work(s, tuple(int(i) for i in idx), _bucket(int(row_len[idx].max())),
+                                   b + local_rows >= counts[s]))
+    return plan
+
+
+def _allgather(x: np.ndarray) -> np.ndarray:
+    """[P, ...]: `x` of every process (same shape on all), stacked in process order."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+def _lockstep_lengths(own: list[int]) -> list[int]:
+    """Row length of every jitted call, identical on all processes: the longest any process
+    needs at that call; calls beyond a process's own work are all-padding batches."""
+    if jax.process_count() == 1:
+        return own
+    n = int(_allgather(np.int32(len(own))).max())
+    if not n:
+        return []
+    mine = np.zeros(n, np.int32)
+    mine[: len(own)] = own
+    return [int(x) for x in _allgather(mine).max(axis=0)]
+
+
+def _global_stats(local: np.ndarray) -> np.ndarray:
+    """[P, k] float64 statistics of every process, exact: shipped as uint32 bit patterns
+    because jax (without x64) would round float64 to float32."""
+    local = np.ascontiguousarray(local, np.float64)
+    if jax.process_count() == 1:
+        return local[None]
+    bits = _allgather(local.view(np.uint32))
+    return np.ascontiguousarray(bits).view(np.float64).reshape(jax.process_count(), -1)
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+# -- the pass ------------------------------------------------------------------------------
+
+
+def _sampler_logprobs(record: Record) -> np.ndarray | None:
+    return record.raw_logprobs if record.raw_logprobs is not None else record.behavior_logprobs
+
+
+def _check_outputs(out: epath.Path, manifest: Manifest) -> None:
+    """Every process checks (so all fail alike, none waits for a peer that raised)."""
+    missing = [s["path"] for s in manifest.shards if not (out / s["path"]).exists()]
+    if missing:
+        raise RuntimeError(
+            f"score: {out} lacks {len(missing)} output shard(s) after all processes finished "
+            f"(first: {missing[0]}); with several processes the output directory must be on a "
+            "filesystem they share")
 
 
 def score_records(
@@ -122,13 +333,17 @@ def score_records(
     chunk_size: int = 4096,
     model_name: str = "",
     progress: bool = True,
+    mesh: Mesh | None = None,
     devices: Sequence[Any] | None = None,
 ) -> dict[str, float]:
     """Write `in_dir`'s records with `mu_logprobs` to `out_dir`; returns mismatch metrics.
 
     `temperature=None` uses the manifest's sampling temperature (greedy data: 1).
-    `devices` (e.g. `jax.local_devices()`) shards each batch's rows over several devices;
-    `batch_size` must divide by their number.
+    `mesh` (the training mesh, `make_mesh(config.mesh)`) shards parameters and rows like the
+    train step; `devices` instead gives a data-parallel mesh over them; neither: one device
+    (single process). `batch_size` (`generate.score_batch_size`) is the global rows per call
+    and must be a multiple of the mesh's data×fsdp. With several processes every process calls
+    this with the same arguments; all return the same metrics.
     """
     source = RecordSource(in_dir)
     manifest = dataclasses.replace(source.manifest)
@@ -138,36 +353,44 @@ def score_records(
         raise ValueError(f"score temperature must be > 0, got {temperature}")
     out = epath.Path(out_dir)
     if out.resolve() == epath.Path(in_dir).resolve():
-        raise ValueError("score: the output directory must differ from the input directory")
+        raise ValueError(f"score: the output directory must differ from the input directory ({in_dir})")
+    if mesh is not None and devices is not None:
+        raise ValueError("score_records: pass mesh or devices, not both")
+    mesh = mesh if mesh is not None else default_mesh(devices)
+    local_rows = process_rows(mesh, batch_size)  # fail before placing the parameters
+    scorer = Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh)
     out.mkdir(parents=True, exist_ok=True)
-    scorer = make_scorer(model, temperature=temperature, chunk_size=chunk_size, devices=devices)
+    plan = _plan(source.manifest, source.lengths(), out, local_rows)
+    for s in plan.empty:
+        write_shard(out, source.manifest.shards[s]["path"], [], vocab_size=manifest.vocab_size)
+    lengths = _lockstep_lengths([w.length for w in plan.work])
     mismatch = Mismatch()
-    start, skipped = 0, 0
-    shards = []
-    bar = tqdm(total=len(source), desc="score", unit="rec", disable=not progress)
-    for shard in source.manifest.shards:
-        count = shard["count"]
-        indices = range(start, start + count)
-        start += count
-        if (out / shard["path"]).exists():  # finished in an earlier run
-            shards.append({"path": shard["path"], "count": count})
-            skipped += 1
-            bar.update(count)
-            continue
-        scored: list[Record] = []
-        for b in range(0, count, batch_size):
-            records = source.__getitems__(list(indices[b : b + batch_size]))
-            for record, mu in zip(records, score_batch(scorer, records, batch_size)):
-                sampler = record.raw_logprobs if record.raw_logprobs is not None else record.behavior_logprobs
-                if sampler is not None and sampler.size:
-                    mismatch.add(mu, sampler)
-                scored.append(record.replace(mu_logprobs=mu))
-            bar.update(len(records))
-        shards.append(write_shard(out, shard["path"], scored, vocab_size=manifest.vocab_size))
+    scored: list[Record] = []
+    bar = tqdm(total=plan.records, desc="score", unit="rec",
+               disable=not progress or jax.process_index() != 0)
+    for step, length in enumerate(lengths):
+        work = plan.work[step] if step < len(plan.work) else None
+        records = source.__getitems__(list(work.indices)) if work is not None else []
+        for record, mu in zip(records, score_batch(scorer, records, local_rows, length), strict=True):
+            sampler = _sampler_logprobs(record)
+            if sampler is not None and sampler.size:
+                mismatch.add(mu, sampler)
+            scored.append(record.replace(mu_logprobs=mu))
+        bar.update(len(records))
+        if work is not None and work.last:
+            write_shard(out, source.manifest.shards[work.shard]["path"], scored,
+                        vocab_size=manifest.vocab_size)
+            scored = []
     bar.close()
-    metrics = {**mismatch.metrics(), "score/skipped_shards": float(skipped)}
-    manifest.shards = shards
-    manifest.scored_by = model_name or "policy"
-    manifest.extra = {**manifest.extra, "score_temperature": temperature, "score_metrics": metrics}
-    write_manifest(out, manifest)
+    stats = _global_stats(np.append(mismatch.stats(), len(plan.skipped)))
+    metrics = {**Mismatch.combine(stats[:, :NUM_MISMATCH_STATS]),
+               "score/skipped_shards": float(stats[:, NUM_MISMATCH_STATS].sum())}
+    _barrier("jaxrl_llm.score: output shards written")
+    _check_outputs(out, source.manifest)
+    if jax.process_index() == 0:
+        manifest.shards = [{"path": s["path"], "count": s["count"]} for s in source.manifest.shards]
+        manifest.scored_by = model_name or "policy"
+        manifest.extra = {**manifest.extra, "score_temperature": temperature, "score_metrics": metrics}
+        write_manifest(out, manifest)
+    _barrier("jaxrl_llm.score: manifest written")  # readers of out_dir on any process see it
     return metrics

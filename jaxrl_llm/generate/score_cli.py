@@ -1,4 +1,10 @@
-"""`jaxrl-llm score`: write μ per-token log-probs with the trainer's numerics (SPEC §0)."""
+"""`jaxrl-llm score`: write μ per-token log-probs with the trainer's numerics (SPEC §0).
+
+Runs on the training mesh (`mesh:` section: parameters and rows sharded like the train step).
+Multi-host: start the same command on every host; `parallel.distributed.initialize` joins the
+job (JAXRL_* variables, SLURM or the TPU pod), each process scores every P-th input shard and
+process 0 writes the manifest.
+"""
 
 from __future__ import annotations
 
@@ -15,29 +21,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
-def _score_devices(batch_size: int) -> list | None:
-    """This host's devices when the score batch divides over them (data parallel), else one."""
-    import jax
-
-    devices = jax.local_devices()
-    return devices if len(devices) > 1 and batch_size % len(devices) == 0 else None
-
-
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import ConfigError, load_config
     from jaxrl_llm.generate.loading import model_and_tokenizer
     from jaxrl_llm.generate.score import score_records
+    from jaxrl_llm.parallel.mesh import make_mesh
 
     config = load_config(args.config, args.overrides)
     records = args.records or config.data.records
     if records is None:
         raise ConfigError("set --records or data.records")
     out = args.out or config.generate.score_output or records.rstrip("/") + "-scored"
+    mesh = make_mesh(config.mesh)
     model, _ = model_and_tokenizer(config)
     metrics = score_records(model, records, out, temperature=args.temperature,
                             batch_size=config.generate.score_batch_size,
                             chunk_size=config.loss.logprob_chunk_size,
                             model_name=config.model.path or config.model.source,
-                            devices=_score_devices(config.generate.score_batch_size))
+                            mesh=mesh)
     print(json.dumps({"output": out, **metrics}, indent=2))
     return 0
