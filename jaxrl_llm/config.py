@@ -188,6 +188,8 @@ class DataConfig(Section):
     num_prompts: int = Field(256, gt=0)
     shuffle_seed: int = 0
     tokenizer: str | None = Field(None, description="tokenizer dir, or 'char' (default for random models)")
+    chat_template: bool = Field(False, description="present each prompt as a user turn of the tokenizer's "
+                                "chat template (instruct models)")
     reward_scheme: Literal["pm1", "01"] = "pm1"
     task_options: dict[str, Any] = Field(default_factory=dict, description="task constructor kwargs")
     # Curation (SPEC §7): output directory, size, and a group transform applied before training.
@@ -202,6 +204,19 @@ class DataConfig(Section):
     num_epochs: int | None = Field(None, gt=0)
     read_threads: int = Field(2, gt=0)
     prefetch: int = Field(2, ge=0)
+    # Sequence packing (data/loader.py): rows of train.max_seq_len holding up to
+    # records_per_row records each (segment ids); not for the pair losses dpo/rpo.
+    pack: bool = False
+    records_per_row: int = Field(8, gt=0)
+
+    @model_validator(mode="after")
+    def _pack_has_no_buckets(self) -> DataConfig:
+        if self.pack and self.buckets:
+            raise ValueError(
+                f"data.buckets={self.buckets} has no effect with data.pack=true (packed rows "
+                "are train.max_seq_len long); unset data.buckets"
+            )
+        return self
 
 
 class EvalConfig(Section):

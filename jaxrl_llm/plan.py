@@ -165,13 +165,15 @@ def abstract_batch(config: ExperimentConfig, mesh: Any) -> Any:
 
     b, t = config.train.batch_size, config.train.max_seq_len
     pairs = b // 2 if config.loss.name in PREFERENCE_NAMES else 0
+    # Packed rows (data.pack) carry k record slots each: per-record arrays are [B·k].
+    r = b * config.data.records_per_row if config.data.pack else b
     shapes: dict[str, tuple[tuple[int, ...], Any]] = {
         "inputs": ((b, t), np.int32), "targets": ((b, t), np.int32),
         "positions": ((b, t), np.int32), "segment_ids": ((b, t), np.int32),
         "loss_mask": ((b, t), np.float32), "behavior_logprobs": ((b, t), np.float32),
         "mu_logprobs": ((b, t), np.float32), "ref_logprobs": ((b, t), np.float32),
-        "rewards": ((b,), np.float32), "correct": ((b,), np.bool_),
-        "group_ids": ((b,), np.int32), "record_mask": ((b,), np.float32),
+        "rewards": ((r,), np.float32), "correct": ((r,), np.bool_),
+        "group_ids": ((r,), np.int32), "record_mask": ((r,), np.float32),
         "pair_index": ((pairs, 2), np.int32),
     }
     shardings = batch_sharding_tree(mesh)

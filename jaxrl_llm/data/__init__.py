@@ -3,6 +3,8 @@
     Record / RecordError / validate_record        data.records
     ShardWriter / write_records / RecordSource    data.shards   (manifest.json + shards)
     BatchLoader / LoaderOptions / make_loader     data.loader   (-> data.batch.Batch)
-    loader_from_config                            data.loader   (what the trainer calls)
+    loader_from_config / packing_options          data.loader   (from an ExperimentConfig)
+    pack_batches / collate_packed                 data.loader   (data.pack: segment-id rows)
+    Batch / records_view / token_record_mask      data.batch    (packed per-record layout)
     select / curate_directory / transform_rewards data.curation
 """

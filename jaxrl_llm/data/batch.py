@@ -1,11 +1,23 @@
 """The training batch: a frozen pytree with explicit names (DESIGN "Batches").
 
-One row is one record (prompt + completion), left-aligned and right-padded to a static length.
-Token arrays are aligned to *targets*: position t holds the token predicted at t, so
-`log π(targets[:, t] | inputs[:, :t+1])` is the per-token log-prob and `loss_mask[:, t]` is 1
-exactly on completion tokens (SPEC §0). Per-token log-prob arrays follow the same alignment.
+Token arrays are [B, T] rows, aligned to *targets*: position t holds the token predicted at t,
+so `log π(targets[:, t] | inputs[:, :t+1])` is the per-token log-prob and `loss_mask[:, t]` is
+1 exactly on completion tokens (SPEC §0). Per-token log-prob arrays follow the same alignment.
 
-Preference losses use the same rows: `pair_index[p] = (chosen_row, rejected_row)`.
+Two layouts, told apart by the static `records_per_row` k = len(rewards) / B:
+
+- k = 1 (unpacked): one row is one record (prompt + completion), left-aligned and
+  right-padded; per-record arrays are [B].
+- k > 1 (packed, `data.pack`): a row holds up to k records one after the other, record j+1
+  of row i on the tokens with `segment_ids[i] == j+1` (0 = padding) and `positions`
+  restarting at 0 in each segment. Per-record arrays are [B·k]: slot `i·k + j` is the record
+  with segment id j+1 of row i (`record_mask` 0 for empty slots). Contiguous row blocks
+  therefore own contiguous record blocks, so micro-batch splitting and batch sharding keep
+  rows and their records together. `records_view` gives the loss kernels a per-record
+  [B·k, T] view of any per-token array.
+
+Preference losses use the rows: `pair_index[p] = (chosen_row, rejected_row)` (unpacked only:
+`PAIRED_LOSSES` refuse packing).
 """
 
 from __future__ import annotations
@@ -27,19 +39,25 @@ class Batch:
     behavior_logprobs: jax.Array  # [B, T] float32, what the sampler reported (0 where masked)
     mu_logprobs: jax.Array  # [B, T] float32, re-scored behaviour log-probs (SPEC §0)
     ref_logprobs: jax.Array  # [B, T] float32, frozen reference model (0 when unused)
-    rewards: jax.Array  # [B] float32
-    correct: jax.Array  # [B] bool
-    group_ids: jax.Array  # [B] int32, records of one prompt share it
-    record_mask: jax.Array  # [B] float32, 0 for padding rows added to fill a batch
+    rewards: jax.Array  # [B·k] float32 (k = records_per_row; slot i·k+j = segment j+1 of row i)
+    correct: jax.Array  # [B·k] bool
+    group_ids: jax.Array  # [B·k] int32, records of one prompt share it
+    record_mask: jax.Array  # [B·k] float32, 0 for padding rows / empty record slots
     pair_index: jax.Array  # [P, 2] int32 (chosen row, rejected row); P may be 0
 
     @property
     def batch_size(self) -> int:
+        """Rows B (not records: see `records_per_row`)."""
         return int(self.inputs.shape[0])
 
     @property
     def seq_len(self) -> int:
         return int(self.inputs.shape[1])
+
+    @property
+    def records_per_row(self) -> int:
+        """k: record slots per row (static: a shape ratio); 1 = unpacked."""
+        return int(self.rewards.shape[0]) // self.batch_size
 
     def check_shapes(self) -> None:
         """chex shape/dtype checks; call outside jit on host batches and inside on tracers."""
@@ -49,9 +67,51 @@ class Batch:
              self.behavior_logprobs, self.mu_logprobs, self.ref_logprobs],
             (b, t),
         )
-        chex.assert_shape([self.rewards, self.correct, self.group_ids, self.record_mask], (b,))
+        n = self.rewards.shape[0] if jnp.ndim(self.rewards) == 1 else -1
+        if n <= 0 or n % b:
+            raise ValueError(
+                f"Batch.rewards has shape {jnp.shape(self.rewards)}: per-record arrays must be "
+                f"[B·k] with B = {b} rows and k ≥ 1 records per row"
+            )
+        chex.assert_shape([self.rewards, self.correct, self.group_ids, self.record_mask], (n,))
         chex.assert_rank(self.pair_index, 2)
         chex.assert_type([self.inputs, self.targets, self.positions, self.segment_ids], jnp.int32)
+
+
+# Losses over (chosen, rejected) pairs: `pair_index` holds row numbers and the loader keeps a
+# pair as rows (2i, 2i+1), so these cannot be trained on packed rows (data.pack).
+PAIRED_LOSSES = ("dpo", "rpo")
+
+
+def records_view(x: jax.Array, segment_ids: jax.Array, records_per_row: int) -> jax.Array:
+    """Per-record view [B·k, T] of a per-token array `x [B, T]` over packed rows.
+
+    `view[i·k + j, t] = x[i, t] · [segment_ids[i, t] == j+1]`: record slot i·k+j sees only its
+    own segment's tokens, so a loss kernel's masked sums over a view row are exactly that
+    record's sums (SPEC §0 `log π(y|x)`, `|y|`). Pure and jit-able; the gradient of `x` is
+    the views' gradients summed back into their segments.
+    """
+    b, t = x.shape
+    chex.assert_shape(segment_ids, (b, t))
+    ids = jnp.arange(1, records_per_row + 1, dtype=segment_ids.dtype)
+    own = segment_ids[:, None, :] == ids[None, :, None]  # [B, k, T]
+    # `where`, not a product: padding may hold inf/NaN, which must not leak into other slots.
+    view = jnp.where(own, x[:, None, :], jnp.zeros((), x.dtype))
+    return view.reshape(b * records_per_row, t)
+
+
+def token_record_mask(batch: Batch) -> jax.Array:
+    """[B, T]: each token's record weight `record_mask[slot of its segment]` (0 on padding).
+
+    Unpacked (k = 1) this is `record_mask[:, None]` broadcast over the row, as before.
+    """
+    k = batch.records_per_row
+    if k == 1:
+        return jnp.broadcast_to(batch.record_mask[:, None], batch.segment_ids.shape)
+    per_row = batch.record_mask.reshape(batch.batch_size, k)
+    slot = jnp.clip(batch.segment_ids - 1, 0, k - 1)
+    weight = jnp.take_along_axis(per_row, slot, axis=1)
+    return jnp.where(batch.segment_ids > 0, weight, jnp.zeros((), weight.dtype))
 
 
 def empty_pairs() -> np.ndarray:

@@ -11,6 +11,18 @@ Slots ≥ N are padding rows (`record_mask = 0`, all masks 0), so multi-host pro
 step in lockstep. Everything before the iterator is a grain `MapDataset` indexed by position,
 so `get_state()` is a position and `set_state()` resumes at exactly the next record.
 
+Packing (`pack=True`, data/batch.py's packed layout): rows are `max_len` long (no buckets)
+and hold up to k = `records_per_row` records, with `batch_size · k` record slots per batch.
+
+    epoch e, process p: its shuffled record stream (the same `_slot` order, padding skipped)
+      -> `pack_batches`: greedy first-fit over the batch's rows (≤ k records and ≤ max_len
+         tokens per row); a record that fits no row closes the batch and opens the next
+      -> every process computes every process's plan (deterministic in lengths, seed and
+         process count) and pads its own with all-padding batches to the longest, so the
+         processes stay in lockstep
+      -> grain `MapDataset` over batch indices of the concatenated epoch plans (computed
+         lazily, so num_epochs=None works); `get_state()` is the next batch index.
+
 Row alignment (data/batch.py): a record's tokens `x = prompt + completion` (length L) give a
 row of length L−1 with `inputs = x[:-1]`, `targets = x[1:]`; completion token j is the target
 at position P−1+j, where `loss_mask` is 1 and the per-token log-prob arrays are placed.
@@ -21,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -28,11 +42,14 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset, index_shuffle
 
-from jaxrl_llm.data.batch import Batch, empty_pairs
+from jaxrl_llm.data.batch import PAIRED_LOSSES, Batch, empty_pairs
 from jaxrl_llm.data.records import Record, RecordError
 from jaxrl_llm.data.shards import RecordSource
 
 _SHUFFLE_ROUNDS = 4
+_PLAN_CACHE_EPOCHS = 3  # epoch plans kept in memory (prefetch threads may straddle epochs)
+# Row arrays copied from `record_row` into a batch row (positions/segment ids are derived).
+_TOKEN_KEYS = ("inputs", "targets", "loss_mask", "behavior_logprobs", "mu_logprobs")
 # Losses whose importance ratio π/μ needs μ's per-token log-probs (SPEC §2–3).
 RATIO_LOSSES = ("topr", "opr", "tis", "ppo", "grpo", "dr_grpo")
 
@@ -52,6 +69,8 @@ class LoaderOptions:
     read_threads: int = 2
     prefetch: int = 2  # batches prepared ahead in a background thread (0 = off)
     pairs: bool = False  # DPO data from `curate` strategy "dpo": rows (2i, 2i+1) are one pair
+    pack: bool = False  # several records per max_len row (segment ids); see module docstring
+    records_per_row: int = 8  # k, with pack: record slots per row
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.max_len <= 0:
@@ -64,6 +83,14 @@ class LoaderOptions:
             raise ValueError(f"pairs=True needs an even batch_size, got {self.batch_size}")
         if self.num_epochs is not None and self.num_epochs <= 0:
             raise ValueError(f"num_epochs must be > 0 or None, got {self.num_epochs}")
+        if self.records_per_row <= 0:
+            raise ValueError(f"records_per_row must be > 0, got {self.records_per_row}")
+        if self.pack and self.pairs:
+            raise ValueError("pack=True cannot hold DPO pairs (pairs=True): pair_index holds row "
+                             "numbers (data.pack with loss.name dpo/rpo)")
+        if self.pack and self.buckets:
+            raise ValueError(f"pack=True rows are max_len={self.max_len} long; buckets {self.buckets} "
+                             "would be ignored: unset them")
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -110,43 +137,113 @@ def collate(rows: Sequence[dict[str, Any]], batch_size: int, lengths: Sequence[i
     t = next((n for n in lengths if n >= longest), None)
     if t is None:
         raise RecordError(f"a row of length {longest} exceeds the longest bucket {lengths[-1]}")
-    b = batch_size
-    out = {k: np.zeros((b, t), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
-    out.update({k: np.zeros((b, t), np.float32) for k in ("loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")})
-    rewards, correct = np.zeros(b, np.float32), np.zeros(b, bool)
-    group_ids, record_mask = np.full(b, -1, np.int32), np.zeros(b, np.float32)
+    out, per_record = _blank_arrays(batch_size, t, batch_size)
     for i, row in enumerate(rows):
-        n = row["inputs"].size
-        if n:
-            for k in ("inputs", "targets", "loss_mask", "behavior_logprobs", "mu_logprobs"):
-                out[k][i, :n] = row[k]
-            out["positions"][i, :n] = np.arange(n)
-            out["segment_ids"][i, :n] = 1
-        rewards[i], correct[i] = row["reward"], row["correct"]
-        group_ids[i], record_mask[i] = row["group_id"], row["record_mask"]
+        _place(out, per_record, row, i, slice(0, row["inputs"].size), segment=1, slot=i)
     pair_index = empty_pairs()
     if pairs:
         from jaxrl_llm.losses.preference import make_pairs
 
-        pair_index = make_pairs(group_ids, correct, record_mask=record_mask, pad_to=batch_size // 2)
-    return Batch(**out, rewards=rewards, correct=correct, group_ids=group_ids,
-                 record_mask=record_mask, pair_index=pair_index)
+        pair_index = make_pairs(per_record["group_ids"], per_record["correct"],
+                                record_mask=per_record["record_mask"], pad_to=batch_size // 2)
+    return Batch(**out, **per_record, pair_index=pair_index)
+
+
+def collate_packed(rows: Sequence[Sequence[dict[str, Any]]], batch_size: int, max_len: int,
+                   records_per_row: int) -> Batch:
+    """A packed `Batch` (data/batch.py): `rows[i]` are the records of row i, in segment order.
+
+    Row i holds its records back to back from position 0, record j with `segment_ids` j+1 and
+    positions 0..n−1; its per-record fields go to slot `i·k + j` of the [B·k] arrays. Missing
+    rows and slots are padding (`record_mask` 0, all masks 0, group id −1).
+    """
+    b, k = batch_size, records_per_row
+    if len(rows) > b:
+        raise RecordError(f"collate_packed: {len(rows)} rows for a batch of {b}")
+    out, per_record = _blank_arrays(b, max_len, b * k)
+    for i, records in enumerate(rows):
+        if len(records) > k:
+            raise RecordError(f"collate_packed: row {i} has {len(records)} records > records_per_row={k}")
+        start = 0
+        for j, row in enumerate(records):
+            end = start + row["inputs"].size
+            if end > max_len:
+                raise RecordError(f"collate_packed: row {i} needs {end} tokens > max_len={max_len}")
+            _place(out, per_record, row, i, slice(start, end), segment=j + 1, slot=i * k + j)
+            start = end
+    return Batch(**out, **per_record, pair_index=empty_pairs())
+
+
+def _blank_arrays(rows: int, length: int, records: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """All-padding token arrays [rows, length] and per-record arrays [records]."""
+    out = {k: np.zeros((rows, length), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+    out.update({k: np.zeros((rows, length), np.float32)
+                for k in ("loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")})
+    per_record = {"rewards": np.zeros(records, np.float32), "correct": np.zeros(records, bool),
+                  "group_ids": np.full(records, -1, np.int32), "record_mask": np.zeros(records, np.float32)}
+    return out, per_record
+
+
+def _place(out: dict[str, np.ndarray], per_record: dict[str, np.ndarray], row: dict[str, Any], i: int,
+           span: slice, *, segment: int, slot: int) -> None:
+    """Write one `record_row` into batch row i at `span` (segment id `segment`) and record `slot`."""
+    n = span.stop - span.start
+    if n:
+        for key in _TOKEN_KEYS:
+            out[key][i, span] = row[key]
+        out["positions"][i, span] = np.arange(n)
+        out["segment_ids"][i, span] = segment
+    per_record["rewards"][slot], per_record["correct"][slot] = row["reward"], row["correct"]
+    per_record["group_ids"][slot], per_record["record_mask"][slot] = row["group_id"], row["record_mask"]
+
+
+def pack_batches(lengths: Sequence[int] | np.ndarray, *, rows: int, max_len: int,
+                 records_per_row: int) -> np.ndarray:
+    """Greedy first-fit packing of a record stream into batches, in stream order.
+
+    `lengths[s]` is the row length of the stream's s-th record (each ≤ `max_len`). Record s
+    goes to the first row of the open batch with fewer than `records_per_row` records and at
+    least `lengths[s]` free tokens; when no row fits, the batch is closed and s opens the next
+    one. Returns `[n_batches, rows, records_per_row]` stream positions in segment order
+    (−1 = empty slot). Pure numpy/python, deterministic.
+    """
+    k = records_per_row
+    batches: list[np.ndarray] = []
+    current = np.full((rows, k), -1, np.int64)
+    free, count = [max_len] * rows, [0] * rows
+    for s, n in enumerate(int(x) for x in lengths):
+        if n > max_len:
+            raise ValueError(f"pack_batches: record {s} has {n} tokens > max_len={max_len}")
+        r = next((r for r in range(rows) if count[r] < k and free[r] >= n), None)
+        if r is None:
+            batches.append(current)
+            current = np.full((rows, k), -1, np.int64)
+            free, count = [max_len] * rows, [0] * rows
+            r = 0
+        current[r, count[r]] = s
+        count[r] += 1
+        free[r] -= n
+    if any(count):
+        batches.append(current)
+    return np.stack(batches) if batches else np.zeros((0, rows, k), np.int64)
 
 
 class BatchLoader:
     """Iterator of `Batch`es with exact, checkpointable position.
 
     - `next(loader)` -> `Batch` (numpy arrays; the trainer device-puts them);
-    - `get_state()` / `set_state(state)`: JSON-able dict, resume at exactly the next record;
+    - `get_state()` / `set_state(state)`: JSON-able dict, resume at exactly the next record
+      (packed: the next batch);
     - `checkpoint_save()` / `checkpoint_restore()`: `grain.checkpoint` args for an orbax
       `Composite` next to the train state;
-    - `dropped_too_long`, `num_records`: counts for the logs.
+    - `dropped_too_long`, `num_records`: counts for the logs;
+    - `slot_indices(epoch)`, `batches_in_epoch(epoch)`, `packed_plan(epoch)`: the plan.
     """
 
     def __init__(self, directory: str, options: LoaderOptions) -> None:
         self.options = o = options
         self.source = RecordSource(directory)
-        row_len = self.source.lengths().sum(axis=1) - 1
+        self._row_len = row_len = self.source.lengths().sum(axis=1) - 1
         k = 2 if o.pairs else 1
         if len(self.source) % k:
             raise RecordError(f"{directory}: pairs=True needs an even number of records, got {len(self.source)}")
@@ -171,42 +268,122 @@ class BatchLoader:
         n_units, p = len(self._units), o.process_count
         self.slots_per_epoch = math.ceil(n_units / p) * p
         self.per_process = self.slots_per_epoch // p  # units (records or pairs) per process and epoch
-        units_per_batch = o.batch_size // k
-        self.batches_per_epoch = math.ceil(self.per_process / units_per_batch)
 
-        ds = grain.MapDataset.range(self.per_process).repeat(o.num_epochs)
-        ds = ds.map_with_index(lambda i, _: self._slot(i)).map(self._load)
-        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=o.read_threads, prefetch_buffer_size=4 * o.batch_size))
-        it = it.batch(units_per_batch, batch_fn=lambda units: collate(
-            [row for unit in units for row in unit], o.batch_size, o.lengths, pairs=o.pairs))
+        if o.pack:
+            # Lazily computed epoch plans, shared by grain's reader threads.
+            self._lock = threading.RLock()
+            self._epoch_counts: dict[int, int] = {}
+            self._plans: dict[int, np.ndarray] = {}
+            self.batches_per_epoch = None  # varies per epoch: `batches_in_epoch(e)`
+            total = (sys.maxsize if o.num_epochs is None
+                     else sum(self.batches_in_epoch(e) for e in range(o.num_epochs)))
+            ds = grain.MapDataset.range(total).map(self._packed_batch)
+            it = ds.to_iter_dataset(grain.ReadOptions(num_threads=o.read_threads,
+                                                      prefetch_buffer_size=2 * o.read_threads))
+        else:
+            units_per_batch = o.batch_size // k
+            self.batches_per_epoch = math.ceil(self.per_process / units_per_batch)
+            ds = grain.MapDataset.range(self.per_process).repeat(o.num_epochs)
+            ds = ds.map_with_index(lambda i, _: self._slot(i)).map(self._load)
+            it = ds.to_iter_dataset(grain.ReadOptions(num_threads=o.read_threads,
+                                                      prefetch_buffer_size=4 * o.batch_size))
+            it = it.batch(units_per_batch, batch_fn=lambda units: collate(
+                [row for unit in units for row in unit], o.batch_size, o.lengths, pairs=o.pairs))
         if o.prefetch:
             it = ThreadPrefetchIterDataset(it, prefetch_buffer_size=o.prefetch)
         self._iterator = iter(it)
 
-    def _slot(self, position: int) -> int:
-        """Unit index (into the kept units) for this process's `position`, or −1 = padding."""
+    def _slot(self, position: int, process: int | None = None) -> int:
+        """Unit index (into the kept units) for `process`'s (default: this one's) `position`,
+        or −1 = padding."""
         o = self.options
+        process = o.process_index if process is None else process
         epoch, j = divmod(position, self.per_process)
-        slot = o.process_index + j * o.process_count
+        slot = process + j * o.process_count
         if o.shuffle:
             slot = int(index_shuffle(slot, max_index=self.slots_per_epoch - 1, seed=o.seed + epoch,
                                      rounds=_SHUFFLE_ROUNDS))
         return slot if slot < len(self._units) else -1
 
+    def _record_row(self, index: int) -> dict[str, Any]:
+        return record_row(self.source[index], require_mu=self.options.require_mu,
+                          where=self.source.where(index))
+
     def _load(self, slot: int) -> list[dict[str, Any]]:
         k = self._units.shape[1]
         if slot < 0:
             return [_padding_row() for _ in range(k)]
-        rows = []
-        for index in self._units[slot].tolist():
-            record = self.source[index]
-            rows.append(record_row(record, require_mu=self.options.require_mu, where=self.source.where(index)))
+        rows = [self._record_row(index) for index in self._units[slot].tolist()]
         if k == 2:
             a, b = (self.source.where(i) for i in self._units[slot].tolist())
             if not (rows[0]["correct"] and not rows[1]["correct"] and rows[0]["group_id"] == rows[1]["group_id"]):
                 raise RecordError(f"{a} / {b}: not a (correct, incorrect) pair of one group (pairs=True "
                                   "needs records written by `curate` with strategy 'dpo')")
         return rows
+
+    # -- packing ---------------------------------------------------------------------------
+
+    def _stream(self, epoch: int, process: int) -> np.ndarray:
+        """Record indices `process` reads in `epoch`, in order, padding slots skipped."""
+        start = epoch * self.per_process
+        slots = np.asarray([self._slot(i, process) for i in range(start, start + self.per_process)])
+        return self._units[slots[slots >= 0], 0]
+
+    def _process_plan(self, epoch: int, process: int) -> np.ndarray:
+        """`process`'s own packing of `epoch`: [n, batch_size, k] record indices (−1 = empty)."""
+        o = self.options
+        stream = self._stream(epoch, process)
+        pos = pack_batches(self._row_len[stream], rows=o.batch_size, max_len=o.max_len,
+                           records_per_row=o.records_per_row)
+        return np.where(pos >= 0, stream[np.maximum(pos, 0)], -1)
+
+    def _epoch_plan(self, epoch: int) -> np.ndarray:
+        """This process's plan of `epoch`, padded with empty batches to the lockstep count."""
+        with self._lock:
+            plan = self._plans.get(epoch)
+            if plan is not None:
+                return plan
+            plans = [self._process_plan(epoch, p) for p in range(self.options.process_count)]
+            count = max(len(x) for x in plans)
+            own = plans[self.options.process_index]
+            pad = np.full((count - len(own), *own.shape[1:]), -1, own.dtype)
+            plan = np.concatenate([own, pad])
+            self._epoch_counts[epoch] = count
+            self._plans[epoch] = plan
+            for old in sorted(self._plans)[:-_PLAN_CACHE_EPOCHS]:
+                del self._plans[old]
+            return plan
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Batches every process yields in `epoch` (packed: the max over the processes' plans)."""
+        if not self.options.pack:
+            return self.batches_per_epoch
+        with self._lock:
+            if epoch not in self._epoch_counts:
+                self._epoch_plan(epoch)
+            return self._epoch_counts[epoch]
+
+    def packed_plan(self, epoch: int) -> np.ndarray:
+        """Packed: [batches_in_epoch, batch_size, k] record indices of `epoch` (−1 = empty)."""
+        if not self.options.pack:
+            raise ValueError("packed_plan: this loader does not pack (pack=False)")
+        return self._epoch_plan(epoch).copy()
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) of the loader's `index`-th batch."""
+        epoch = 0
+        while index >= (n := self.batches_in_epoch(epoch)):
+            index -= n
+            epoch += 1
+        return epoch, index
+
+    def _packed_batch(self, index: int) -> Batch:
+        o = self.options
+        epoch, b = self._locate(index)
+        rows = [[self._record_row(int(r)) for r in row if r >= 0] for row in self._epoch_plan(epoch)[b]]
+        return collate_packed(rows, o.batch_size, o.max_len, o.records_per_row)
+
+    # -- iteration and state ---------------------------------------------------------------
 
     def __iter__(self) -> BatchLoader:
         return self
@@ -227,7 +404,10 @@ class BatchLoader:
         return grain.checkpoint.CheckpointRestore(self._iterator)
 
     def slot_indices(self, epoch: int = 0) -> np.ndarray:
-        """Record indices this process reads in `epoch`, in order (−1 = padding row)."""
+        """Record indices this process reads in `epoch`, in order (−1 = padding row; packed:
+        in record-slot order of the epoch's batches, −1 = empty slot)."""
+        if self.options.pack:
+            return self._epoch_plan(epoch).reshape(-1).copy()
         positions = range(epoch * self.per_process, (epoch + 1) * self.per_process)
         slots = np.asarray([self._slot(i) for i in positions])
         rows = self._units[np.maximum(slots, 0)]
@@ -266,5 +446,18 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
         batch_size=t.batch_size // pcount, max_len=t.max_seq_len, buckets=buckets, seed=d.shuffle_seed,
         num_epochs=num_epochs if num_epochs is not None else d.num_epochs, too_long=d.too_long,
         require_mu=config.loss.mu_source == "trainer" and config.loss.name in RATIO_LOSSES, process_index=pidx, process_count=pcount,
-        read_threads=d.read_threads, prefetch=d.prefetch, pairs=config.loss.name in ("dpo", "rpo"),
+        read_threads=d.read_threads, prefetch=d.prefetch, pairs=config.loss.name in PAIRED_LOSSES,
+        **packing_options(config),
     ))
+
+
+def packing_options(config: Any) -> dict[str, Any]:
+    """`LoaderOptions` packing fields from `data.pack` / `data.records_per_row`; ConfigError for
+    the pair losses, whose `pair_index` holds row numbers."""
+    from jaxrl_llm.config import ConfigError
+
+    d = config.data
+    if d.pack and config.loss.name in PAIRED_LOSSES:
+        raise ConfigError(f"data.pack=true cannot train loss.name={config.loss.name}: its pairs index "
+                          "rows (pair_index), not packed records; set data.pack=false")
+    return {"pack": d.pack, "records_per_row": d.records_per_row}

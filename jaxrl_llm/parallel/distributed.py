@@ -114,14 +114,14 @@ def global_array(local: np.ndarray | jax.Array, sharding: NamedSharding,
 def global_batch(local_batch: Any, mesh: Mesh) -> Any:
     """A global, sharded `Batch` from this host's rows of it.
 
-    Every process passes its own `local_batch` (rows `process_row_slice(global_rows)`);
+    Every process passes its own `local_batch` (rows `process_row_slice(global_rows)`, and
+    for packed batches the [b·k] record slots of those rows, so process p's records follow
+    process p−1's exactly as its rows do);
     `pair_index` is replicated and must be identical on every process (global row numbers).
     Single-process runs get a plain sharded `device_put`.
     """
     count = jax.process_count()
     fields = local_batch.__dataclass_fields__
-    local_rows = np.asarray(local_batch.inputs).shape[0]
-    global_rows = local_rows * count
     template = local_batch.replace(
         **{
             name: jax.ShapeDtypeStruct(
@@ -136,10 +136,8 @@ def global_batch(local_batch: Any, mesh: Mesh) -> Any:
     for name in fields:
         value = np.asarray(getattr(local_batch, name))
         sharding = getattr(shardings, name)
-        if name == "pair_index":
-            out[name] = global_array(value, sharding, value.shape)
-        else:
-            out[name] = global_array(value, sharding, (global_rows, *value.shape[1:]))
+        # Per-record arrays of packed batches are [B·k]: each field scales its own length.
+        out[name] = global_array(value, sharding, _global_shape(name, value.shape, count))
     return local_batch.replace(**out)
 
 

@@ -6,6 +6,13 @@ log-probs with the chunked kernel (SPEC §1, `losses.logprobs`) and calls the lo
 with the `Batch` fields it needs. It returns the kernel's `LossOutput(total, weight,
 metrics)`; the train step sums `total` and `weight` over micro-batches and divides once.
 
+Packed rows (`Batch.records_per_row` k > 1, `data.pack`): the log-probs are computed on the
+packed rows [B, T] as usual, then every per-token array the kernel reads (π, μ, behaviour
+and reference log-probs, FPA's extrapolated log-probs, the exact KL, `loss_mask`) goes through
+`data.batch.records_view` into a per-record view [B·k, T], matching the [B·k] per-record
+arrays, and the unchanged kernels see one record per view row. Pair losses (`PAIRED_LOSSES`:
+`pair_index` holds row numbers) refuse packing.
+
 Temperature: μ's log-probs are scored with the sampling temperature (SPEC §0), so π's are too
 (`generate.temperature`; 0 = greedy is treated as 1).
 """
@@ -17,7 +24,7 @@ from typing import Any
 import jax
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
-from jaxrl_llm.data.batch import Batch
+from jaxrl_llm.data.batch import PAIRED_LOSSES, Batch, records_view
 from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses.advantages import grpo_advantages
 from jaxrl_llm.losses.logprobs import (
@@ -41,6 +48,15 @@ def needs_full_batch(config: ExperimentConfig) -> bool:
     """Losses whose value couples rows across the batch in ways micro-batching would cut:
     preference pairs (`pair_index` holds global row numbers) and KTO's batch-mean z0."""
     return config.loss.name in PREFERENCE_NAMES
+
+
+def check_packing(config: ExperimentConfig) -> None:
+    """`data.pack` needs a loss whose records are independent of row numbers."""
+    if config.data.pack and config.loss.name in PAIRED_LOSSES:
+        raise ConfigError(
+            f"data.pack=true cannot train loss.name={config.loss.name}: its pairs index rows "
+            "(pair_index), not packed records; set data.pack=false"
+        )
 
 
 def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None:
@@ -85,20 +101,33 @@ def compute_loss(
     name = lc.name
     tau = temperature(config)
     chunk = lc.logprob_chunk_size
-    logp = token_logprobs(
+    k = batch.records_per_row
+    if k > 1 and name in PAIRED_LOSSES:
+        raise ConfigError(
+            f"loss.name={name} cannot train on packed rows ({k} records per row, data.pack): "
+            "pair_index holds row numbers; set data.pack=false"
+        )
+
+    def per_record(x: jax.Array) -> jax.Array:
+        """[B, T] → the kernels' per-record token layout ([B·k, T] when packed)."""
+        return x if k == 1 else records_view(x, batch.segment_ids, k)
+
+    logp = per_record(token_logprobs(
         hidden, unembed, batch.targets, chunk_size=chunk, temperature=tau, softcap=softcap
+    ))
+    logmu = per_record(
+        batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
     )
-    logmu = batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
-    mask = batch.loss_mask
+    mask = per_record(batch.loss_mask)
     rm = batch.record_mask
 
     def ref_logp() -> jax.Array:
         if config.train.ref_logprobs == "batch" or ref_hidden is None:
-            return batch.ref_logprobs
-        return jax.lax.stop_gradient(
+            return per_record(batch.ref_logprobs)
+        return per_record(jax.lax.stop_gradient(
             token_logprobs(ref_hidden, ref_unembed, batch.targets, chunk_size=chunk,
                            temperature=tau, softcap=softcap)
-        )
+        ))
 
     if name in TOPR_FAMILY:
         return pg.topr_loss(
@@ -129,10 +158,10 @@ def compute_loss(
                     "loss.kl_exact=true needs the reference model's hidden states: set "
                     "train.ref_logprobs: model"
                 )
-            token_kl = token_forward_kl_chunked(
+            token_kl = per_record(token_forward_kl_chunked(
                 hidden, unembed, ref_hidden, ref_unembed, chunk_size=chunk, temperature=tau,
                 softcap=softcap,
-            )
+            ))
         return pg.off_rl_kl_loss(
             logp, ref_logp(), mask, batch.rewards, tau=lc.kl_tau, token_kl=token_kl,
             correct=batch.correct, record_mask=rm,
@@ -147,16 +176,17 @@ def compute_loss(
             temperature=tau, softcap=softcap,
         )
         return pg.fpa_loss(
-            logp, jax.lax.stop_gradient(logp_hat), mask, batch.rewards, fpa_on=lc.fpa_on,
+            logp, per_record(jax.lax.stop_gradient(logp_hat)), mask, batch.rewards, fpa_on=lc.fpa_on,
             correct=batch.correct, record_mask=rm,
         )
     if name in PREFERENCE_NAMES:
-        return _preference_loss(config, batch, logp, ref_logp())
+        return _preference_loss(config, batch, logp, ref_logp(), mask)
     raise ConfigError(f"loss.name={name!r} has no train-step binding")
 
 
 def _preference_loss(
-    config: ExperimentConfig, batch: Batch, logp: jax.Array, ref_logp: jax.Array
+    config: ExperimentConfig, batch: Batch, logp: jax.Array, ref_logp: jax.Array,
+    mask: jax.Array,
 ) -> LossOutput:
     from jaxrl_llm.losses.preference import PREFERENCE_LOSSES
 
@@ -168,7 +198,7 @@ def _preference_loss(
         "apo": {"beta1": lc.apo_beta1, "beta2": lc.apo_beta2},
     }[lc.name]
     return PREFERENCE_LOSSES[lc.name](
-        logp=logp, ref_logp=ref_logp, mask=batch.loss_mask, rewards=batch.rewards,
+        logp=logp, ref_logp=ref_logp, mask=mask, rewards=batch.rewards,
         correct=batch.correct, group_ids=batch.group_ids, pair_index=batch.pair_index,
         record_mask=batch.record_mask, **options,
     )

@@ -7,7 +7,9 @@ One step:
    rows, each spread over all batch shards) and scan over them, accumulating the gradient of
    each micro-batch's loss `total` and the sums of `total` and `weight`; the gradient and the
    loss are divided by Σ weight once at the end, which is exactly the full-batch loss
-   `Σ total / Σ weight` (the `LossOutput` contract; never a mean of means).
+   `Σ total / Σ weight` (the `LossOutput` contract; never a mean of means). Packed batches
+   (`records_per_row` k > 1) split the same way: per-record arrays are [B·k] with row i's
+   records at i·k..i·k+k−1, so the contiguous reshape keeps each row with its records.
 2. The policy runs as `nnx.merge(graphdef, params, model_state)`; with fp32 master weights
    the params are cast to the model's dtypes first (bf16 compute), so gradients are fp32.
 3. FPA (and `train.ref_logprobs: model`) run the frozen reference model under
@@ -35,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
-from jaxrl_llm.data.batch import Batch
+from jaxrl_llm.data.batch import Batch, token_record_mask
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree
@@ -43,6 +45,7 @@ from jaxrl_llm.train.loss_fn import (
     GROUP_LOSSES,
     TOPR_FAMILY,
     batch_advantages,
+    check_packing,
     compute_loss,
     needs_full_batch,
 )
@@ -100,7 +103,8 @@ def num_micro_batches(config: ExperimentConfig, batch_size: int, mesh: Mesh) -> 
 
 def _split_micro(batch: Batch, n: int, mesh: Mesh) -> Batch:
     """[B, ...] → [n, B/n, ...] (contiguous rows), each micro-batch sharded over all batch
-    shards (one reshuffle of the small integer/float batch per step)."""
+    shards (one reshuffle of the small integer/float batch per step). Per-record arrays
+    [B·k] become [n, B·k/n]: micro-batch m holds exactly the records of its rows."""
     spec = NamedSharding(mesh, P(None, BATCH_AXES))
 
     def split(x: jax.Array) -> jax.Array:
@@ -153,6 +157,7 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
     `train.grad_norm_by_sign` the pair (g⁺, g⁻) of gradients of the positive and negative
     records' Σ total (g⁺ + g⁻ = grads). Exposed for tests and the benchmark."""
     check_sign_split(config)
+    check_packing(config)
     use_ref = needs_reference_model(config)
     by_sign = config.train.grad_norm_by_sign
     grad_shardings = jax.tree.map(lambda x: x.sharding, state.params)
@@ -269,7 +274,7 @@ def train_step_fn(
             "param_norm": optax.tree.norm(new_state.params),
             "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
             "update_skipped": 1.0 - finite.astype(jnp.float32),
-            "completion_tokens": jnp.sum(batch.loss_mask * batch.record_mask[:, None]),
+            "completion_tokens": jnp.sum(batch.loss_mask * token_record_mask(batch)),
             **{f"loss/{k}": jnp.asarray(v, jnp.float32) for k, v in kernel_metrics.items()},
         }
         if sign_grads is not None:

@@ -102,7 +102,7 @@ class Trainer:
     ) -> None:
         import jax
 
-        from jaxrl_llm.data.loader import make_loader
+        from jaxrl_llm.data.loader import make_loader, packing_options
         from jaxrl_llm.parallel.mesh import make_mesh
         from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 
@@ -138,6 +138,7 @@ class Trainer:
             require_mu=config.loss.mu_source == "trainer" and self.uses_mu,
             process_index=jax.process_index(),
             process_count=count,
+            **packing_options(config),
         )
         self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
         self.checkpointer = Checkpointer(
