@@ -60,6 +60,8 @@ QUICKSTART_DEFAULTS: dict[str, Any] = {
 SMOLLM2_OVERRIDES = [
     "run_dir=runs/quickstart-smollm2",
     "model.source=smollm2",
+    "data.chat_template=true",  # an instruct model: ask in its ChatML user turn
+    "generate.temperature=0.7", "eval.temperature=0.7",  # 002's sampling; T=1 is mostly noise at 135M/4-bit
     "sft.steps=0",
     "optim.learning_rate=1e-5",
     "train.steps=8", "train.batch_size=8", "train.max_seq_len=160", "train.log_every=2",
@@ -131,7 +133,8 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     if not log.done("records"):
         problems = task.load(split="train", num=s.num_prompts, seed=config.seed + 1)
         write_records(records, gold_records(task, problems, tokenizer,
-                                            eos_token_id=tokenizer.eos_token_id),
+                                            eos_token_id=tokenizer.eos_token_id,
+                                            chat_template=config.data.chat_template),
                       overwrite=True, task=task.name, reward_fn=task.reward_fn,
                       vocab_size=config.model.vocab_size, extra={"source": "gold"})
         log.mark("records", {"path": str(records), "num_records": len(problems)})
@@ -152,7 +155,7 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
             state.model(), tokenizer, task, probe, n=s.eval_n,
             temperature=g.temperature if e.temperature is None else e.temperature,
             max_new_tokens=g.max_new_tokens, batch_size=e.batch_size or g.batch_size,
-            seed=e.seed, maj_k=(1,), trials=2,
+            seed=e.seed, maj_k=(1,), trials=2, chat_template=config.data.chat_template,
         )
         p1 = summary["pass_at_1"]["mean"]
         if progress:

@@ -37,11 +37,12 @@ class Graded:
 def sample_and_grade(
     model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
+    chat_template: bool = False,
 ) -> Graded:
     """n samples per problem from the JAX sampler, decoded and scored by the task."""
     import jax
 
-    from jaxrl_llm.generate.completions import encode_prompts
+    from jaxrl_llm.generate.completions import encode_prompts, format_prompts
     from jaxrl_llm.generate.jax_backend import sample_completions
     from jaxrl_llm.models.sampler import Sampler, SamplingParams
 
@@ -50,7 +51,8 @@ def sample_and_grade(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n,
                             stop_token_ids=() if eos is None else (int(eos),))
     sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
-    prompt_ids = encode_prompts(tokenizer, [task.prompt(p) for p in problems])
+    prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed))
     texts = [tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
              for c in completions]
@@ -112,12 +114,13 @@ def evaluate_model(
     model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     maj_k: Sequence[int] = (1, 4), trials: int = 100,
-    verifier: tuple[Any, Any] | None = None, verifications: int = 4,
+    verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool = False,
 ) -> tuple[dict[str, Any], Graded]:
     """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
     (= (model, tokenizer)) also weighted self-consistency (000 §4.4)."""
     graded = sample_and_grade(model, tokenizer, task, problems, n=n, temperature=temperature,
-                              max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+                              max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                              chat_template=chat_template)
     verdicts = None
     if verifier is not None:
         verdicts = verify_samples(verifier[0], verifier[1], problems, graded,
@@ -222,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=e.max_new_tokens or g.max_new_tokens,
         batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=e.maj_k,
         trials=e.bootstrap_trials, verifier=verifier,
-        verifications=args.verifications or e.verifications,
+        verifications=args.verifications or e.verifications, chat_template=config.data.chat_template,
     )
     summary.update(info, split=e.split, label=args.label or Path(info["model"]).name)
     out = write_eval(Path(args.out or Path(config.run_dir) / "eval"), summary, graded, problems)

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
         tokenizer = tokenizer_from_config(config)
         problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
-        manifest = write_records(out, gold_records(task, problems, tokenizer, eos_token_id=tokenizer.eos_token_id),
+        manifest = write_records(out, gold_records(task, problems, tokenizer, eos_token_id=tokenizer.eos_token_id,
+                                                       chat_template=d.chat_template),
                                  overwrite=args.overwrite, task=task.name, reward_fn=task.reward_fn,
                                  tokenizer=getattr(tokenizer, "name_or_path", ""), extra={"source": "gold"})
         print(f"wrote {manifest.num_records} gold records to {out}")
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=g.top_p, max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, seed=config.seed,
         stop_at_eos=g.stop_at_eos, records_per_shard=g.records_per_shard,
         model_name=config.model.path or config.model.source, overwrite=args.overwrite,
+        chat_template=d.chat_template,
     )
     print(f"wrote {manifest.num_records} records ({manifest.num_correct} correct, "
           f"{manifest.num_invalid} invalid) to {out}")

@@ -26,11 +26,31 @@ class Completion:
     finish_reason: str = ""
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each prompt; an empty encoding is an error naming the prompt."""
+def format_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False) -> list[str]:
+    """The prompts as the model sees them (`data.chat_template`).
+
+    Raw text, or each task prompt as one user turn of the tokenizer's chat template with the
+    assistant turn opened — how an instruct model expects to be asked (SmolLM2-Instruct's
+    ChatML, say); without it such a model mostly answers off-format.
+    """
+    if not chat_template:
+        return list(prompts)
+    if not getattr(tokenizer, "chat_template", None):
+        from jaxrl_llm.config import ConfigError
+
+        raise ConfigError(f"data.chat_template=true but tokenizer "
+                          f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} "
+                          "has no chat template")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                          add_generation_prompt=True) for text in prompts]
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False) -> list[list[int]]:
+    """Token ids of each prompt (already through `format_prompts`); an empty encoding is an
+    error naming the prompt. Templated prompts carry their own special tokens (BOS etc.)."""
     out = []
     for i, text in enumerate(prompts):
-        ids = list(tokenizer.encode(text, add_special_tokens=True))
+        ids = list(tokenizer.encode(text, add_special_tokens=not chat_template))
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens: {text[:60]!r}")
         out.append(ids)
@@ -69,11 +89,12 @@ def build_records(
 
 
 def gold_records(task: Task, problems: Sequence[Problem], tokenizer: Any, *,
-                 eos_token_id: int | None = None, group_offset: int = 0) -> list[Record]:
+                 eos_token_id: int | None = None, group_offset: int = 0,
+                 chat_template: bool = False) -> list[Record]:
     """Gold solutions as SFT records (001/002 warm start): reward +1, correct, no log-probs."""
     records = []
-    prompts = [task.prompt(p) for p in problems]
-    ids = encode_prompts(tokenizer, prompts)
+    prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
+    ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     for i, (problem, prompt, pids) in enumerate(zip(problems, prompts, ids)):
         gold = task.gold_completion(problem)
         if gold is None:

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl_llm.data.shards import Manifest, SamplingInfo, ShardWriter
-from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts
+from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
 from jaxrl_llm.tasks.base import Problem, Task
 
 
@@ -52,6 +52,7 @@ def generate_records(
     stop_at_eos: bool = True,
     records_per_shard: int = 10_000,
     chunk_prompts: int | None = None,
+    chat_template: bool = False,
     model_name: str = "",
     overwrite: bool = False,
     progress: bool = True,
@@ -64,8 +65,8 @@ def generate_records(
                             top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())
     pad = getattr(tokenizer, "pad_token_id", None)
     sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
-    prompts = [task.prompt(p) for p in problems]
-    prompt_ids = encode_prompts(tokenizer, prompts)
+    prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     chunk = chunk_prompts or batch_size * 4
     key = jax.random.key(seed)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxrl_llm.config import ConfigError, load_config
     from jaxrl_llm.data.shards import SamplingInfo, ShardWriter
-    from jaxrl_llm.generate.completions import build_records, encode_prompts
+    from jaxrl_llm.generate.completions import build_records, encode_prompts, format_prompts
     from jaxrl_llm.generate.loading import task_from_config
 
     config = load_config(args.config, args.overrides)
@@ -95,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(n=g.n, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1,
                             max_tokens=g.max_new_tokens, logprobs=1, seed=config.seed)
-    prompts = [task.prompt(p) for p in problems]
-    prompt_ids = encode_prompts(tokenizer, prompts)
+    chat = config.data.chat_template
+    prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat)
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat)
     with ShardWriter(out, records_per_shard=g.records_per_shard, vocab_size=None, overwrite=args.overwrite,
                      tokenizer=args.model, model=args.model, task=task.name, reward_fn=task.reward_fn,
                      sampling=SamplingInfo(backend="vllm", temperature=g.temperature, top_p=g.top_p,

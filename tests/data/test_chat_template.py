@@ -1,0 +1,48 @@
+"""`data.chat_template`: task prompts as a user turn of the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxrl_llm.config import ConfigError
+from jaxrl_llm.generate.completions import encode_prompts, format_prompts
+from jaxrl_llm.models.tokenizer import build_char_tokenizer
+
+PROMPT = "Question: What is 4 - 6?\nFinish with 'The answer is N.'\nAnswer:\n"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from jaxrl_llm.models.gguf import read_gguf
+    from jaxrl_llm.models.packaged import smollm2_gguf_path
+
+    return read_gguf(smollm2_gguf_path())[2]
+
+
+def test_smollm2_prompt_is_its_chatml_user_turn(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    # SmolLM2-Instruct's template (its model card): a default system turn, then the user turn,
+    # then an opened assistant turn — written out here by hand.
+    expected = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                "Hugging Face<|im_end|>\n<|im_start|>user\n" + PROMPT
+                + "<|im_end|>\n<|im_start|>assistant\n")
+    [text] = format_prompts(tok, [PROMPT], chat_template=True)
+    assert text == expected
+    [ids] = encode_prompts(tok, [text], chat_template=True)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    # The template brings its own special tokens: no BOS prepended on top of <|im_start|>.
+    assert ids[0] == im_start and ids[1] != im_start
+    assert ids.count(im_start) == 3
+    assert tok.decode(ids) == expected
+
+
+def test_raw_prompts_are_unchanged(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert format_prompts(tok, [PROMPT]) == [PROMPT]
+    assert encode_prompts(tok, [PROMPT]) == [list(tok.encode(PROMPT, add_special_tokens=True))]
+
+
+def test_a_tokenizer_without_a_template_is_a_config_error():
+    tok = build_char_tokenizer("0123456789 ", ("<pad>", "<bos>", "<eos>", "<unk>"))
+    with pytest.raises(ConfigError, match="data.chat_template"):
+        format_prompts(tok, [PROMPT], chat_template=True)
