@@ -7,6 +7,9 @@ SmolLM2-135M shape (30 layers, d 576, ffn 1536, 9 heads / 3 KV, V 49,152, tied),
 - PyTorch: transformers' `LlamaForCausalLM` with the same config, full logits, the same
   TOPR loss (taper form, SPEC §2), `torch.optim.AdamW`, `torch.set_num_threads(2)`.
 - Peak: this run's jitted fp32 2048×2048 matmul FLOP/s.
+- Dots: each framework's own fp32 matmul FLOP/s on the step's shapes (`MATMUL_SHAPES`,
+  measured in its child process), which separates the BLAS each framework calls from the
+  model code around it.
 
 Each framework runs in its own child process, one after the other (memory), and reports the
 median of `--steps` timed steps after one warm-up step; tokens/s, the JAX /
@@ -36,6 +39,10 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_laye
              num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
              rms_norm_eps=1e-5, tie_embeddings=True, max_position_embeddings=2048)
 PROMPT = 64
+# (m, k, n) of the step's matmuls at B·T = 2048 rows: q/o, MLP up/gate, MLP down, an LM-head
+# vocabulary chunk, and the LM head's weight gradient.
+MATMUL_SHAPES = ((2048, 576, 576), (2048, 576, 1536), (2048, 1536, 576), (2048, 576, 4096),
+                 (576, 2048, 4096))
 
 
 def make_numpy_batch(seed: int = 0) -> dict[str, np.ndarray]:
@@ -62,6 +69,40 @@ def matmul_peak(n: int = 2048, reps: int = 10) -> float:
         f(a).block_until_ready()
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times)
+
+
+def shape_rates(matmul, reps: int = 5) -> dict[str, float]:
+    """FLOP/s of `matmul(m, k, n) -> zero-arg timed callable` per shape (median of `reps`)."""
+    out = {}
+    for m, k, n in MATMUL_SHAPES:
+        run = matmul(m, k, n)
+        run()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times)
+    return out
+
+
+def jax_matmul(m: int, k: int, n: int):
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(k, n)), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    return lambda: f(a, b).block_until_ready()
+
+
+def torch_matmul(m: int, k: int, n: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    return lambda: a @ b
 
 
 def setup_jax(args, nb):
@@ -144,6 +185,10 @@ def setup_torch(args, nb):
     return sum(p.numel() for p in model.parameters()), step
 
 
+def median_dots(res: dict) -> float:
+    return statistics.median(res["matmul_flops_by_shape"].values()) / 1e9
+
+
 def timed(fn) -> tuple[float, float]:
     t0 = time.perf_counter()
     value = fn()
@@ -166,9 +211,14 @@ def main() -> None:
         # Child process: one framework, its own memory (JAX + PyTorch together exceed what a
         # shared 24 GB machine leaves free).
         nb = make_numpy_batch()
+        if args.only == "torch":
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
+        dots = shape_rates(jax_matmul if args.only == "jax" else torch_matmul)
         n_params, run = (setup_jax if args.only == "jax" else setup_torch)(args, nb)
         first, loss = timed(run)  # compile (JAX) and warm-up
-        out = {"params": n_params, "first_step_s": first, "losses": [loss], "step_times_s": []}
+        out = {"params": n_params, "matmul_flops_by_shape": dots, "first_step_s": first, "losses": [loss], "step_times_s": []}
         for _ in range(args.steps):
             seconds, loss = timed(run)
             out["step_times_s"].append(seconds)
@@ -207,15 +257,16 @@ def main() -> None:
         "jax": jax_res | {"median_step_s": jax_step, "tokens_per_s": tokens / jax_step,
                           "mfu": 6 * n * tokens / jax_step / peak_used},
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "note": "2-core machine shared with 7 other engineers' jobs (see load averages): "
-                "absolute times vary with load. JAX and PyTorch run one after the other in "
-                "child processes of one run (together they exceeded the free memory).",
+        "note": "JAX and PyTorch run one after the other in child processes of one run "
+                "(together they exceed the free memory); load averages are recorded because the "
+                "2-core machine may be shared.",
     }
     lines = [
-        "| implementation | median step (s) | tokens/s | MFU vs matmul peak |",
-        "| --- | --- | --- | --- |",
-        f"| jaxrl_llm (jit, chunked log-probs) | {jax_step:.2f} | {tokens / jax_step:.0f} | "
-        f"{result['jax']['mfu']:.0%} |",
+        "| implementation | median step (s) | tokens/s | MFU vs matmul peak | "
+        "own fp32 dots on the step's shapes (median GFLOP/s) |",
+        "| --- | --- | --- | --- | --- |",
+        f"| jaxrl_llm (jit, chunked log-probs, chunk {args.chunk}) | {jax_step:.2f} | "
+        f"{tokens / jax_step:.0f} | {result['jax']['mfu']:.0%} | {median_dots(jax_res):.0f} |",
     ]
     if torch_res is not None:
         t_step = statistics.median(torch_res["step_times_s"])
@@ -223,8 +274,12 @@ def main() -> None:
                                        "mfu": 6 * n * tokens / t_step / peak_used}
         result["jax_over_torch_tokens_per_s"] = t_step / jax_step
         lines.append(f"| PyTorch transformers LlamaForCausalLM ({args.torch_threads} threads) | "
-                     f"{t_step:.2f} | {tokens / t_step:.0f} | {result['torch']['mfu']:.0%} |")
-        lines.append(f"\nJAX / PyTorch tokens/s: {result['jax_over_torch_tokens_per_s']:.2f}×")
+                     f"{t_step:.2f} | {tokens / t_step:.0f} | {result['torch']['mfu']:.0%} | "
+                     f"{median_dots(torch_res):.0f} |")
+        result["jax_over_torch_dots"] = median_dots(jax_res) / median_dots(torch_res)
+        lines.append(f"\nJAX / PyTorch tokens/s: {result['jax_over_torch_tokens_per_s']:.2f}×; "
+                     f"JAX / PyTorch fp32 dot speed on the step's shapes: "
+                     f"{result['jax_over_torch_dots']:.2f}×")
     lines.append(f"matmul peak: {peak_used / 1e9:.0f} GFLOP/s; N = {n / 1e6:.1f} M params; "
                  f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f}")
     result["table"] = "\n".join(lines)
