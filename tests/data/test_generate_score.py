@@ -324,6 +324,7 @@ def test_two_processes_score_disjoint_shards_like_one_process(tmp_path):
     assert results[0]["runs"][1]["mismatch/num_sequences"] == len(records) - 1
 
 
+@pytest.mark.slow
 def test_cli_score_on_the_configured_mesh(tmp_path, capsys):
     from jaxrl_llm.cli import main
     from jaxrl_llm.config import load_config

@@ -112,20 +112,21 @@ def test_token_record_mask_and_completion_tokens_count_real_records_only():
         assert float(jnp.sum(batch.loss_mask * token_record_mask(batch))) == completion - SHAPES[1][1]
 
 
+SLOW = pytest.mark.slow  # the rest of the loss families: CI's slow run, not the default one
 LOSS_CASES = [
-    ("topr", {}),
-    ("sft", {}),
-    ("grpo", {"aggregation": "token-mean"}),
-    ("fpa", {}),
-    ("ppo", {}),
-    ("dr_grpo", {}),
-    ("off_rl_kl", {"kl_exact": True}),
-    ("kto", {}),
-    ("apo", {}),
+    pytest.param("topr", {}, id="topr"),
+    pytest.param("sft", {}, id="sft"),
+    pytest.param("grpo", {"aggregation": "token-mean"}, id="grpo"),
+    pytest.param("fpa", {}, id="fpa"),
+    pytest.param("ppo", {}, id="ppo", marks=SLOW),
+    pytest.param("dr_grpo", {}, id="dr_grpo", marks=SLOW),
+    pytest.param("off_rl_kl", {"kl_exact": True}, id="off_rl_kl", marks=SLOW),
+    pytest.param("kto", {}, id="kto", marks=SLOW),
+    pytest.param("apo", {}, id="apo", marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize(("loss", "options"), LOSS_CASES, ids=[c[0] for c in LOSS_CASES])
+@pytest.mark.parametrize(("loss", "options"), LOSS_CASES)
 def test_packed_loss_and_gradients_equal_unpacked(loss, options):
     config = make_config(loss, loss=options)
     policy, ref = decoder(config, 0), decoder(config, 1)
@@ -167,7 +168,8 @@ def test_pair_losses_refuse_packing():
         compute_loss(make_config("rpo"), packed, h, jnp.zeros((32, VOCAB)))
 
 
-@pytest.mark.parametrize(("loss", "packed_mesh"), [("topr", (1, 1, 1)), ("grpo", (1, 2, 1))])
+@pytest.mark.parametrize(("loss", "packed_mesh"), [
+    ("topr", (1, 1, 1)), pytest.param("grpo", (1, 2, 1), marks=SLOW)])
 def test_packed_train_step_with_micro_batches_equals_unpacked_step(loss, packed_mesh):
     """Oracle: the unpacked full batch on one device. Packed: 2 micro-batches of 2 rows (and
     their 6 record slots) each; on `(1, 2, 1)` every micro-batch is also split over 2 fsdp
