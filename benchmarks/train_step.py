@@ -11,12 +11,13 @@ SmolLM2-135M shape (30 layers, d 576, ffn 1536, 9 heads / 3 KV, V 49,152, tied),
   measured in its child process), which separates the BLAS each framework calls from the
   model code around it.
 
-Each framework runs in its own child process, one after the other (memory), and reports the
-median of `--steps` timed steps after one warm-up step; tokens/s, the JAX /
-PyTorch ratio, and MFU = 6·N·tokens / step time / matmul peak. The machine is shared (other
-jobs compete for its 2 cores), so each figure carries the load average seen during the run.
+Each framework runs in its own child process, one after the other (memory), timing `--steps`
+steps after one warm-up step; with `--rounds R` the two alternate R times (JAX, PyTorch, JAX,
+…) so that slow phases of a shared machine hit both. Reported: the median over all timed
+steps, tokens/s, the JAX / PyTorch ratio, and MFU = 6·N·tokens / step time / matmul peak (the
+larger of the peaks measured before and after). Each figure carries the load average.
 
-    python benchmarks/train_step.py [--steps 3] [--scan-layers] [--remat none|full|dots]
+    python benchmarks/train_step.py [--steps 3] [--rounds 1] [--scan-layers] [--remat none|full|dots]
 """
 
 from __future__ import annotations
@@ -186,7 +187,9 @@ def setup_torch(args, nb):
 
 
 def median_dots(res: dict) -> float:
-    return statistics.median(res["matmul_flops_by_shape"].values()) / 1e9
+    """Median GFLOP/s over the step's matmul shapes and every round."""
+    return statistics.median(v for one in res["rounds"]
+                             for v in one["matmul_flops_by_shape"].values()) / 1e9
 
 
 def timed(fn) -> tuple[float, float]:
@@ -198,6 +201,7 @@ def timed(fn) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     parser.add_argument("--chunk", type=int, default=4096)
@@ -229,18 +233,24 @@ def main() -> None:
     load_before = os.getloadavg()
     peak = matmul_peak()
     res: dict[str, dict] = {}
-    for name in ["jax"] + ([] if args.skip_torch else ["torch"]):
-        cmd = [sys.executable, __file__, "--only", name, "--steps", str(args.steps),
-               "--remat", args.remat, "--chunk", str(args.chunk),
-               "--torch-threads", str(args.torch_threads)]
-        if args.scan_layers:
-            cmd.append("--scan-layers")
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        res[name] = json.loads(lines[-1][len("RESULT "):])
-        res[name]["load_average_after"] = os.getloadavg()
+    for round_index in range(args.rounds):
+        for name in ["jax"] + ([] if args.skip_torch else ["torch"]):
+            cmd = [sys.executable, __file__, "--only", name, "--steps", str(args.steps),
+                   "--remat", args.remat, "--chunk", str(args.chunk),
+                   "--torch-threads", str(args.torch_threads)]
+            if args.scan_layers:
+                cmd.append("--scan-layers")
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise SystemExit(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            one = json.loads(lines[-1][len("RESULT "):])
+            one["load_average_after"] = os.getloadavg()
+            if round_index == 0:
+                res[name] = one | {"rounds": [one]}
+            else:
+                res[name]["rounds"].append(one)
+                res[name]["step_times_s"] = res[name]["step_times_s"] + one["step_times_s"]
     jax_res, torch_res = res["jax"], res.get("torch")
     if torch_res is not None:
         torch_res["threads"] = args.torch_threads
@@ -251,7 +261,7 @@ def main() -> None:
     peak_used = max(peak, peak_after)
     result = {
         "shape": SHAPE, "batch": [B, T], "dtype": "float32", "loss": "topr",
-        "optimizer": "adamw", "variant": {"scan_layers": args.scan_layers, "remat": args.remat,
+        "optimizer": "adamw", "rounds": args.rounds, "variant": {"scan_layers": args.scan_layers, "remat": args.remat,
                                           "logprob_chunk_size": args.chunk},
         "matmul_peak_flops": [peak, peak_after],
         "jax": jax_res | {"median_step_s": jax_step, "tokens_per_s": tokens / jax_step,

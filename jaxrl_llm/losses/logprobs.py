@@ -37,7 +37,11 @@ import numpy as np
 # Chosen from benchmarks/kernels.py (SmolLM2-135M sizes, fp32, CPU): see docs/kernels.md.
 DEFAULT_CHUNK_SIZE = 4096
 
-Term = tuple[jax.Array, jax.Array]  # (hidden [N, d_i], unembed [d_i, V])
+# Inside the kernel the unembedding is held as rows, `table [V, d_i]` (the public functions
+# take `W [d_i, V]` and pass `W.T`): a vocabulary chunk is then a contiguous row block, its
+# weight gradient `dzᵀ·H` comes out in the same layout, and for tied embeddings `W.T` is the
+# embedding table itself (the two transposes cancel), so XLA copies no [V, d] matrix.
+Term = tuple[jax.Array, jax.Array]  # (hidden [N, d_i], unembedding rows [V, d_i])
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -55,14 +59,25 @@ def _chunk_logits(
     `x_i = H_i W_i[:, cols]` (float32) and its capped value (both kept for the backward)."""
     raws, capped = [], []
     z = None
-    for i, (h, w) in enumerate(terms):
-        w_chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
-        x = jnp.matmul(h, w_chunk, preferred_element_type=jnp.float32)
+    for i, (h, table) in enumerate(terms):
+        x = _times_rows_t(h, jax.lax.dynamic_slice_in_dim(table, start, size, axis=0))
         cx = _cap(x, softcap)
         raws.append(x)
         capped.append(cx)
         z = coefs[i] * cx if z is None else z + coefs[i] * cx
     return z, raws, capped
+
+
+def _times_rows_t(a: jax.Array, rows: jax.Array) -> jax.Array:
+    """a [N, d] · rows [size, d]ᵀ -> [N, size] in float32."""
+    return jax.lax.dot_general(a, rows, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _rows_grad(dcap: jax.Array, h: jax.Array) -> jax.Array:
+    """Gradient of a row block of the table: dcap [N, size]ᵀ · h [N, d] -> [size, d] float32."""
+    return jax.lax.dot_general(dcap, h, (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def _target_logit_in_chunk(z: jax.Array, targets: jax.Array, start, size: int) -> jax.Array:
@@ -96,7 +111,7 @@ def _scan_vocab(update, carry, vocab: int, chunk_size: int):
 def _forward_stats(terms, coefs, targets, chunk_size, softcap):
     """One pass over the vocabulary: target logit, logsumexp and Σ_v softmax·z (entropy)."""
     n = targets.shape[0]
-    vocab = terms[0][1].shape[1]
+    vocab = terms[0][1].shape[0]
 
     def update(carry, start, size):
         m, s, a, tgt = carry
@@ -143,7 +158,7 @@ def _chunked_logprobs_bwd(chunk_size, softcap, residuals, cotangents):
     """
     terms, coefs, targets, lse, entropy = residuals
     g_logp, g_ent = cotangents
-    vocab = terms[0][1].shape[1]
+    vocab = terms[0][1].shape[0]
     g_logp = g_logp.astype(jnp.float32)
     g_ent = g_ent.astype(jnp.float32)
 
@@ -155,19 +170,17 @@ def _chunked_logprobs_bwd(chunk_size, softcap, residuals, cotangents):
         onehot = (start + jnp.arange(size))[None, :] == targets[:, None]
         dz = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (log_p + entropy[:, None])
         new_dhs, new_dws, new_dcoefs = [], [], []
-        for i, (h, w) in enumerate(terms):
+        for i, (h, table) in enumerate(terms):
             dcap = dz * coefs[i]
             if softcap is not None:
                 dcap = dcap * (1.0 - jnp.square(jnp.tanh(raws[i] / softcap)))
-            w_chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
+            rows = jax.lax.dynamic_slice_in_dim(table, start, size, axis=0)
             dcap_in = dcap.astype(h.dtype)
             new_dhs.append(
-                dhs[i] + jnp.matmul(dcap_in, w_chunk.T, preferred_element_type=jnp.float32)
+                dhs[i] + jnp.matmul(dcap_in, rows, preferred_element_type=jnp.float32)
             )
-            dw_chunk = jnp.matmul(h.T, dcap_in, preferred_element_type=jnp.float32)
-            new_dws.append(
-                jax.lax.dynamic_update_slice_in_dim(dws[i], dw_chunk.astype(w.dtype), start, 1)
-            )
+            new_dws.append(jax.lax.dynamic_update_slice_in_dim(
+                dws[i], _rows_grad(dcap_in, h).astype(table.dtype), start, 0))
             new_dcoefs.append(dcoefs[i] + jnp.sum(dz * capped[i]))
         return new_dhs, new_dws, jnp.stack(new_dcoefs)
 
@@ -198,7 +211,7 @@ def _forward_kl_stats(policy, ref, coefs, chunk_size, softcap):
     `Σ exp(r − m_r)(r − z)` rescaled whenever the reference's running max `m_r` grows.
     """
     n = policy[0].shape[0]
-    vocab = policy[1].shape[1]
+    vocab = policy[1].shape[0]
 
     def update(carry, start, size):
         m_z, s_z, m_r, s_r, a = carry
@@ -238,8 +251,8 @@ def _chunked_forward_kl_bwd(chunk_size, softcap, residuals, g_kl):
     pushed through cap and 1/τ to the policy's H and W. The reference and the coefficients
     are constants of this function (the public caller wraps them in `stop_gradient`)."""
     policy, ref, coefs, lse_z, lse_r = residuals
-    h, w = policy
-    vocab = w.shape[1]
+    h, table = policy
+    vocab = table.shape[0]
     g_kl = g_kl.astype(jnp.float32)
 
     def update(carry, start, size):
@@ -251,14 +264,14 @@ def _chunked_forward_kl_bwd(chunk_size, softcap, residuals, g_kl):
         if softcap is not None:
             dcap = dcap * (1.0 - jnp.square(jnp.tanh(raws[0] / softcap)))
         dcap_in = dcap.astype(h.dtype)
-        w_chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
-        dh = dh + jnp.matmul(dcap_in, w_chunk.T, preferred_element_type=jnp.float32)
-        dw_chunk = jnp.matmul(h.T, dcap_in, preferred_element_type=jnp.float32)
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(w.dtype), start, 1)
+        rows = jax.lax.dynamic_slice_in_dim(table, start, size, axis=0)
+        dh = dh + jnp.matmul(dcap_in, rows, preferred_element_type=jnp.float32)
+        dw = jax.lax.dynamic_update_slice_in_dim(
+            dw, _rows_grad(dcap_in, h).astype(table.dtype), start, 0)
         return dh, dw
 
     dh, dw = _scan_vocab(
-        update, (jnp.zeros(h.shape, jnp.float32), jnp.zeros_like(w)), vocab, chunk_size
+        update, (jnp.zeros(h.shape, jnp.float32), jnp.zeros_like(table)), vocab, chunk_size
     )
     d_ref = jax.tree.map(jnp.zeros_like, ref)
     return (dh.astype(h.dtype), dw), d_ref, jnp.zeros_like(coefs)
@@ -368,8 +381,10 @@ def token_logprobs(
 
     Args:
       hidden: final hidden states `[B, T, d]` (float32 or bf16).
-      unembed: unembedding `[d, V]`, same dtype as `hidden` (for tied embeddings pass the
-        transposed embedding table).
+      unembed: unembedding `[d, V]`, same dtype as `hidden`. Pass it as the transpose of a
+        `[V, d]` table (the embedding when tied, or an lm_head stored as rows, as the models
+        here do): the kernel works on rows, so the two transposes cancel and no `[V, d]`
+        copy is made; a `[d, V]` array given directly costs one transposed copy.
       targets: token ids `[B, T]` in `[0, V)`; position t is scored against `hidden[:, t]`
         (shift by one outside this function).
       chunk_size: vocabulary columns per chunk (static). Peak temporary memory is about
@@ -390,7 +405,7 @@ def token_logprobs(
     _check_options(chunk_size, softcap, temperature)
     b, t, d = hidden.shape
     coefs = jnp.reshape(1.0 / jnp.asarray(temperature, jnp.float32), (1,))
-    terms = ((hidden.reshape(b * t, d), unembed),)
+    terms = ((hidden.reshape(b * t, d), unembed.T),)
     logp, entropy = _chunked_logprobs_jit(
         terms, coefs, targets.reshape(b * t), int(chunk_size), softcap
     )
@@ -445,8 +460,8 @@ def extrapolated_logprobs(
     lam = jnp.asarray(lam, jnp.float32)
     coefs = jnp.stack([(1.0 + lam) * inv_tau, -lam * inv_tau])
     terms = (
-        (hidden.reshape(b * t, d), unembed),
-        (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed),
+        (hidden.reshape(b * t, d), unembed.T),
+        (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed.T),
     )
     logp, _ = _chunked_logprobs_jit(terms, coefs, targets.reshape(b * t), int(chunk_size), softcap)
     return logp.reshape(b, t)
@@ -488,9 +503,9 @@ def token_forward_kl_chunked(
     b, t, d = hidden.shape
     inv_tau = jax.lax.stop_gradient(1.0 / jnp.asarray(temperature, jnp.float32))
     coefs = jnp.stack([inv_tau, inv_tau])
-    policy = (hidden.reshape(b * t, d), unembed)
+    policy = (hidden.reshape(b * t, d), unembed.T)
     ref = jax.lax.stop_gradient(
-        (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed)
+        (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed.T)
     )
     kl = _chunked_forward_kl_jit(policy, ref, coefs, int(chunk_size), softcap)
     chex.assert_shape(kl, (b * t,))

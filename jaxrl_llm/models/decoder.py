@@ -144,7 +144,7 @@ class Decoder(nnx.Module):
     """Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / SmolLM2 / Gemma 2).
 
     Parameters and logical axes (prefix "layers" on layer params when `scan_layers`):
-      embed [V, d] ("vocab", "embed"); lm_head [d, V] ("embed", "vocab") when untied;
+      embed [V, d] ("vocab", "embed"); lm_head [V, d] ("vocab", "embed") when untied;
       final_norm.scale [d] ("norm",); per layer: attn_norm / mlp_norm (/ post_attn_norm /
       post_mlp_norm for Gemma 2) .scale [d] ("norm",); attn.q [d, Hq, D]
       ("embed", "q_heads", "head_dim"); attn.k, attn.v [d, Hkv, D] ("embed", "kv_heads",
@@ -167,18 +167,19 @@ class Decoder(nnx.Module):
                 self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
             self.final_norm = RMSNorm(c.hidden_size, c)
             if not c.tie_embeddings:
-                self.lm_head = make_param(rngs, (c.hidden_size, c.vocab_size),
-                                          ("embed", "vocab"), dtype=c.param_jnp_dtype,
+                # Stored as rows [V, d] like the embedding (and HF's lm_head.weight): the
+                # chunked log-prob kernel slices vocabulary rows (see losses/logprobs.py).
+                self.lm_head = make_param(rngs, (c.vocab_size, c.hidden_size),
+                                          ("vocab", "embed"), dtype=c.param_jnp_dtype,
                                           init="normal", stack=None)
         self.config = c
         self.final_logit_softcap: float | None = c.final_logit_softcap
 
     # ---- public API -----------------------------------------------------------------------
     def unembedding(self) -> Array:
-        """[d, V]: the embedding table transposed when tied, else lm_head."""
-        if self.config.tie_embeddings:
-            return self.embed[...].T
-        return self.lm_head[...]
+        """[d, V]: the embedding table transposed when tied, else lm_head transposed."""
+        table = self.embed if self.config.tie_embeddings else self.lm_head
+        return table[...].T
 
     def logits(self, hidden: Array) -> Array:
         """[B, T, V] float32 logits (soft-capped for Gemma 2). Sampling and tests only."""

@@ -52,8 +52,8 @@ class CheckpointError(ValueError):
 class Layout:
     """A reversible layout change. `ours` is our shape; HF shapes follow from it.
 
-    copy        same array                              (embeddings, norm scales, o bias)
-    linear      ours [in, out]      <-> HF [out, in]    (MLP, lm_head)
+    copy        same array                     (embeddings, lm_head, norm scales, o bias)
+    linear      ours [in, out]      <-> HF [out, in]    (MLP)
     heads_in    ours [d, H, D]      <-> HF [H*D, d]     (q/k/v projections)
     heads_out   ours [H, D, d]      <-> HF [d, H*D]     (o projection)
     heads_bias  ours [H, D]         <-> HF [H*D]        (q/k/v bias)
@@ -117,7 +117,7 @@ def tensor_rules(config: DecoderConfig) -> list[TensorRule]:
     rules = [TensorRule("model.embed_tokens.weight", "embed", COPY, False),
              TensorRule("model.norm.weight", "final_norm.scale", COPY, False)]
     if not config.tie_embeddings:
-        rules.append(TensorRule("lm_head.weight", "lm_head", LINEAR, False))
+        rules.append(TensorRule("lm_head.weight", "lm_head", COPY, False))
     per_layer = [
         ("self_attn.q_proj.weight", "attn.q", HEADS_IN),
         ("self_attn.k_proj.weight", "attn.k", HEADS_IN),

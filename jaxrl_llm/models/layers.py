@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +151,23 @@ def attention_mask(
 # ---- attention and MLP ---------------------------------------------------------------------
 
 
+def dense(x: Array, w: Array, in_dims: int = 1) -> Array:
+    """x [..., *w.shape[:in_dims]] contracted with w -> [..., *w.shape[in_dims:]].
+
+    Computed as one 2-D matmul [rows, in] @ [in, out] with the reshapes around it (free in
+    row-major layout). Why: for a 3-D einsum ("btd,df->btf") XLA's CPU backend materialises
+    transposed copies of the output gradient for the weight gradient; the 2-D form lets
+    dW = xᵀ·dy run as one dot contracting the row axis (measured: SwiGLU MLP fwd+bwd at the
+    SmolLM2 shape 111 → 139 GFLOP/s). On TPU/GPU both forms compile to the same dots.
+    """
+    in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
+    chex.assert_equal(x.shape[x.ndim - in_dims:], in_shape)
+    lead = x.shape[: x.ndim - in_dims]
+    y = x.reshape(math.prod(lead), math.prod(in_shape)) @ w.reshape(
+        math.prod(in_shape), math.prod(out_shape))
+    return y.reshape(*lead, *out_shape)
+
+
 def softcap(x: Array, cap: float | None) -> Array:
     """cap · tanh(x / cap) (Gemma 2 logit soft-capping); identity when cap is None."""
     return x if cap is None else cap * jnp.tanh(x / cap)
@@ -160,17 +178,22 @@ def dot_product_attention(
 ) -> Array:
     """Grouped-query attention. q [B,T,Hq,D], k/v [B,S,Hkv,D], mask [B,T,S] -> [B,T,Hq,D].
 
-    Logits and softmax in float32; the weighted sum in the value dtype.
+    Logits and softmax in float32; the weighted sum in the value dtype. Both products are
+    batched over (B, Hkv) with the G query heads of a group stacked as G·T rows, so each is a
+    plain batched matmul with the batch axes leading: XLA's CPU backend then inserts no
+    layout copies around them (fwd+bwd of one SmolLM2-shape layer: 84 → 65 ms).
     """
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    logits = softcap(logits * scale, logit_softcap)
+    s, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
+    logits = jnp.einsum("bkqd,bksd->bkqs", qg, kh, preferred_element_type=jnp.float32)
+    logits = softcap(logits.reshape(b, hkv, g, t, s) * scale, logit_softcap)
     logits = jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, hq, d)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype).reshape(b, hkv, g * t, s)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, vh)
+    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
 
 
 class Attention(nnx.Module):
@@ -209,9 +232,9 @@ def project_qkv(
     c = config
     dt = c.compute_jnp_dtype
     x = x.astype(dt)
-    q = jnp.einsum("btd,dhk->bthk", x, p["q"].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, p["k"].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, p["v"].astype(dt))
+    q = dense(x, p["q"].astype(dt))
+    k = dense(x, p["k"].astype(dt))
+    v = dense(x, p["v"].astype(dt))
     if c.qkv_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -225,7 +248,7 @@ def project_qkv(
 def project_out(p: dict[str, Any], attn: Array, config: DecoderConfig) -> Array:
     """Attention output [B,T,Hq,D] -> [B,T,d] through o (and its bias)."""
     dt = config.compute_jnp_dtype
-    out = jnp.einsum("bthk,hkd->btd", attn.astype(dt), p["o"].astype(dt))
+    out = dense(attn.astype(dt), p["o"].astype(dt), in_dims=2)
     if config.o_bias:
         out = out + p["o_bias"].astype(dt)
     return out
@@ -250,5 +273,5 @@ def mlp(p: dict[str, Any], x: Array, config: DecoderConfig) -> Array:
         jax.nn.silu if config.hidden_act == "silu"
         else lambda h: jax.nn.gelu(h, approximate=True)
     )
-    h = act(x @ p["gate"].astype(dt)) * (x @ p["up"].astype(dt))
-    return h @ p["down"].astype(dt)
+    h = act(dense(x, p["gate"].astype(dt))) * dense(x, p["up"].astype(dt))
+    return dense(h, p["down"].astype(dt))

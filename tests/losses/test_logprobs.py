@@ -221,18 +221,21 @@ def _all_avals(jaxpr):
 def _mem_setup():
     k = jax.random.split(jax.random.key(7), 3)
     hidden = jax.random.normal(k[0], (MEM_B, MEM_T, MEM_D))
-    unembed = jax.random.normal(k[1], (MEM_D, MEM_V)) / np.sqrt(MEM_D)
+    # The models' layout: the differentiated parameter is the table of rows [V, d] and the
+    # unembedding passed in is its transpose (the kernel's own transpose cancels it).
+    table = jax.random.normal(k[1], (MEM_V, MEM_D)) / np.sqrt(MEM_D)
     targets = jax.random.randint(k[2], (MEM_B, MEM_T), 0, MEM_V)
 
-    def chunked(h, w):
-        logp, ent = token_logprobs(h, w, targets, chunk_size=MEM_CHUNK, return_entropy=True)
+    def chunked(h, rows):
+        logp, ent = token_logprobs(h, rows.T, targets, chunk_size=MEM_CHUNK,
+                                   return_entropy=True)
         return jnp.sum(logp) + jnp.sum(ent)
 
-    def naive(h, w):
-        logp, ent = naive_gather_and_entropy(naive_logits(h, w), targets)
+    def naive(h, rows):
+        logp, ent = naive_gather_and_entropy(naive_logits(h, rows.T), targets)
         return jnp.sum(logp) + jnp.sum(ent)
 
-    return hidden, unembed, chunked, naive
+    return hidden, table, chunked, naive
 
 
 def test_backward_jaxpr_has_no_array_of_logits_size():

@@ -213,7 +213,7 @@ def test_every_parameter_has_logical_axes(checkpoints):
     model = load_pretrained(checkpoints["qwen2_bias"][1])
     axes = logical_axes(model)
     assert axes["embed"] == ("vocab", "embed")
-    assert axes["lm_head"] == ("embed", "vocab")
+    assert axes["lm_head"] == ("vocab", "embed")
     assert axes["layers"][0]["attn"]["k"] == ("embed", "kv_heads", "head_dim")
     assert axes["layers"][0]["attn"]["q_bias"] == ("q_heads", "head_dim")
     assert axes["layers"][1]["mlp"]["down"] == ("mlp", "embed")

@@ -180,7 +180,7 @@ def test_decoder_parameters_follow_the_rules():
     layers = state.params["layers"]
     expect = {
         ("embed",): P("tensor", "fsdp"),
-        ("lm_head",): P("fsdp", "tensor"),
+        ("lm_head",): P("tensor", "fsdp"),
         ("final_norm", "scale"): P(None),
         ("layers", "attn", "q"): P(None, "fsdp", "tensor", None),
         ("layers", "attn", "k"): P(None, "fsdp", "tensor", None),
