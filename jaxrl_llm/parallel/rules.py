@@ -113,7 +113,7 @@ def state_shardings(
     """
 
     def one(variable: nnx.Variable) -> nnx.Variable:
-        spec = logical_to_mesh_spec(_logical_names(variable), variable.value.shape, mesh, rules)
+        spec = logical_to_mesh_spec(_logical_names(variable), variable.get_value().shape, mesh, rules)
         return variable.replace(NamedSharding(mesh, spec))
 
     return jax.tree.map(one, state, is_leaf=_is_variable)

@@ -132,7 +132,7 @@ def test_sharded_step_matches_single_device(reference, loss, mesh_shape):
         "norm": P(None),
     }
     for name, spec in expect.items():
-        assert state.params[name].value.sharding.spec == spec, name
+        assert state.params[name].get_value().sharding.spec == spec, name
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
