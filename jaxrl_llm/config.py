@@ -53,6 +53,11 @@ class ModelConfig(Section):
     scan_layers: bool = False
 
 
+# Losses over (chosen, rejected) pairs: `pair_index` holds row numbers and the loader keeps a
+# pair as rows (2i, 2i+1), so these cannot be trained on packed rows (data.pack).
+PAIRED_LOSSES = ("dpo", "rpo")
+
+
 class LossConfig(Section):
     """Which loss kernel and its options (losses/, SPEC §2–5)."""
 
@@ -251,6 +256,16 @@ class ExperimentConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
+    @model_validator(mode="after")
+    def _pack_needs_unpaired_loss(self) -> ExperimentConfig:
+        # The one config-level check; the loader and the loss guard their own inputs too.
+        if self.data.pack and self.loss.name in PAIRED_LOSSES:
+            raise ValueError(
+                f"data.pack=true cannot train loss.name={self.loss.name}: its pairs index rows "
+                "(pair_index), not packed records; set data.pack=false"
+            )
+        return self
+
 
 def _dotted(loc: Sequence[Any]) -> str:
     return ".".join(str(part) for part in loc)
@@ -324,7 +339,9 @@ def config_from_dict(
         for e in err.errors():
             key = _dotted(e["loc"])
             where = _key_source(key, file_keys, override_keys, source)
-            if e["type"] == "extra_forbidden":
+            if not key:  # a check across sections: its message names the keys
+                lines.append(e["msg"].removeprefix("Value error, "))
+            elif e["type"] == "extra_forbidden":
                 lines.append(f"unknown key {key!r} (from {where})")
             else:
                 lines.append(f"{key!r} (from {where}): {e['msg']}; got {e.get('input')!r}")

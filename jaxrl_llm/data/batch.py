@@ -17,7 +17,7 @@ Two layouts, told apart by the static `records_per_row` k = len(rewards) / B:
   [B·k, T] view of any per-token array.
 
 Preference losses use the rows: `pair_index[p] = (chosen_row, rejected_row)` (unpacked only:
-`PAIRED_LOSSES` refuse packing).
+`config.PAIRED_LOSSES` refuse packing).
 """
 
 from __future__ import annotations
@@ -78,9 +78,6 @@ class Batch:
         chex.assert_type([self.inputs, self.targets, self.positions, self.segment_ids], jnp.int32)
 
 
-# Losses over (chosen, rejected) pairs: `pair_index` holds row numbers and the loader keeps a
-# pair as rows (2i, 2i+1), so these cannot be trained on packed rows (data.pack).
-PAIRED_LOSSES = ("dpo", "rpo")
 
 
 def records_view(x: jax.Array, segment_ids: jax.Array, records_per_row: int) -> jax.Array:

@@ -42,7 +42,8 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset, index_shuffle
 
-from jaxrl_llm.data.batch import PAIRED_LOSSES, Batch, empty_pairs
+from jaxrl_llm.config import PAIRED_LOSSES
+from jaxrl_llm.data.batch import Batch, empty_pairs
 from jaxrl_llm.data.records import Record, RecordError
 from jaxrl_llm.data.shards import RecordSource
 
@@ -293,17 +294,23 @@ class BatchLoader:
             it = ThreadPrefetchIterDataset(it, prefetch_buffer_size=o.prefetch)
         self._iterator = iter(it)
 
-    def _slot(self, position: int, process: int | None = None) -> int:
-        """Unit index (into the kept units) for `process`'s (default: this one's) `position`,
-        or −1 = padding."""
+    def _slot(self, position: int) -> int:
+        """Unit index (into the kept units) for this process's `position`, or −1 = padding."""
+        epoch, j = divmod(position, self.per_process)
+        return int(self._epoch_slots(epoch, positions=np.asarray([j]))[0])
+
+    def _epoch_slots(self, epoch: int, process: int | None = None,
+                     positions: np.ndarray | None = None) -> np.ndarray:
+        """`_slot` of `process`'s `positions` within `epoch` (default: all of them), as one array."""
         o = self.options
         process = o.process_index if process is None else process
-        epoch, j = divmod(position, self.per_process)
-        slot = process + j * o.process_count
+        j = np.arange(self.per_process) if positions is None else positions
+        slots = process + j * o.process_count
         if o.shuffle:
-            slot = int(index_shuffle(slot, max_index=self.slots_per_epoch - 1, seed=o.seed + epoch,
-                                     rounds=_SHUFFLE_ROUNDS))
-        return slot if slot < len(self._units) else -1
+            seed, top = o.seed + epoch, self.slots_per_epoch - 1
+            slots = np.fromiter((index_shuffle(int(s), max_index=top, seed=seed, rounds=_SHUFFLE_ROUNDS)
+                                 for s in slots), np.int64, len(slots))
+        return np.where(slots < len(self._units), slots, -1)
 
     def _record_row(self, index: int) -> dict[str, Any]:
         return record_row(self.source[index], require_mu=self.options.require_mu,
@@ -325,8 +332,7 @@ class BatchLoader:
 
     def _stream(self, epoch: int, process: int) -> np.ndarray:
         """Record indices `process` reads in `epoch`, in order, padding slots skipped."""
-        start = epoch * self.per_process
-        slots = np.asarray([self._slot(i, process) for i in range(start, start + self.per_process)])
+        slots = self._epoch_slots(epoch, process)
         return self._units[slots[slots >= 0], 0]
 
     def _process_plan(self, epoch: int, process: int) -> np.ndarray:
@@ -408,8 +414,7 @@ class BatchLoader:
         in record-slot order of the epoch's batches, −1 = empty slot)."""
         if self.options.pack:
             return self._epoch_plan(epoch).reshape(-1).copy()
-        positions = range(epoch * self.per_process, (epoch + 1) * self.per_process)
-        slots = np.asarray([self._slot(i) for i in positions])
+        slots = self._epoch_slots(epoch)
         rows = self._units[np.maximum(slots, 0)]
         return np.where(slots[:, None] >= 0, rows, -1).reshape(-1)
 
@@ -452,12 +457,7 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
 
 
 def packing_options(config: Any) -> dict[str, Any]:
-    """`LoaderOptions` packing fields from `data.pack` / `data.records_per_row`; ConfigError for
-    the pair losses, whose `pair_index` holds row numbers."""
-    from jaxrl_llm.config import ConfigError
-
+    """`LoaderOptions` packing fields from `data.pack` / `data.records_per_row` (a validated
+    `ExperimentConfig` already refuses packing for the pair losses)."""
     d = config.data
-    if d.pack and config.loss.name in PAIRED_LOSSES:
-        raise ConfigError(f"data.pack=true cannot train loss.name={config.loss.name}: its pairs index "
-                          "rows (pair_index), not packed records; set data.pack=false")
     return {"pack": d.pack, "records_per_row": d.records_per_row}

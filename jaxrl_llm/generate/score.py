@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -103,14 +103,6 @@ class Mismatch:
 # -- the sharded scorer --------------------------------------------------------------------
 
 
-class _ModelInputs(NamedTuple):
-    """The fields of a `Batch` that `train.step.forward` reads (the score pass needs no more)."""
-
-    inputs: jax.Array
-    positions: jax.Array
-    segment_ids: jax.Array
-
-
 def default_mesh(devices: Sequence[Any] | None = None) -> Mesh:
     """A data-parallel ("data", "fsdp", "tensor") = (n, 1, 1) mesh over `devices`.
 
@@ -176,8 +168,8 @@ class Scorer:
         self.rows = NamedSharding(mesh, P(BATCH_AXES))
 
         def score(params, model_state, inputs, targets, positions, segment_ids):
-            hidden, unembed, softcap = forward(graphdef, params, model_state,
-                                               _ModelInputs(inputs, positions, segment_ids), mesh)
+            hidden, unembed, softcap = forward(graphdef, params, model_state, inputs, positions,
+                                               segment_ids, mesh)
             # No-op whenever the trainer itself runs (it requires equal dtypes).
             unembed = unembed.astype(hidden.dtype)
             return token_logprobs(hidden, unembed, targets, chunk_size=chunk_size,

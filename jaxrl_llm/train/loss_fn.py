@@ -23,8 +23,8 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm.config import ConfigError, ExperimentConfig
-from jaxrl_llm.data.batch import PAIRED_LOSSES, Batch, records_view
+from jaxrl_llm.config import PAIRED_LOSSES, ConfigError, ExperimentConfig
+from jaxrl_llm.data.batch import Batch, records_view
 from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses.advantages import grpo_advantages
 from jaxrl_llm.losses.logprobs import (
@@ -48,15 +48,6 @@ def needs_full_batch(config: ExperimentConfig) -> bool:
     """Losses whose value couples rows across the batch in ways micro-batching would cut:
     preference pairs (`pair_index` holds global row numbers) and KTO's batch-mean z0."""
     return config.loss.name in PREFERENCE_NAMES
-
-
-def check_packing(config: ExperimentConfig) -> None:
-    """`data.pack` needs a loss whose records are independent of row numbers."""
-    if config.data.pack and config.loss.name in PAIRED_LOSSES:
-        raise ConfigError(
-            f"data.pack=true cannot train loss.name={config.loss.name}: its pairs index rows "
-            "(pair_index), not packed records; set data.pack=false"
-        )
 
 
 def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None:

@@ -45,7 +45,6 @@ from jaxrl_llm.train.loss_fn import (
     GROUP_LOSSES,
     TOPR_FAMILY,
     batch_advantages,
-    check_packing,
     compute_loss,
     needs_full_batch,
 )
@@ -55,9 +54,10 @@ from jaxrl_llm.train.state import TrainState, cast_to_dtypes, needs_reference_mo
 Metrics = dict[str, jax.Array]
 
 
-def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, batch: Batch,
-            mesh: Mesh | None = None):
-    """(hidden [B,T,d], unembedding [d,V], final-logit softcap) of the model on `batch`.
+def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: jax.Array,
+            positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None):
+    """(hidden [B,T,d], unembedding [d,V], final-logit softcap) of the model on token rows
+    `inputs [B,T]` with their `positions` and `segment_ids` (a `Batch`'s fields of those names).
 
     With a mesh, hidden states are pinned to batch sharding and the unembedding is
     all-gathered over "fsdp" (vocab stays split over "tensor"): otherwise GSPMD may contract
@@ -66,7 +66,7 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, batch: Bat
     v5e chip for Llama-3-8B at 1 row per chip, vs MiB with the constraint).
     """
     model = nnx.merge(graphdef, params, model_state)
-    hidden = model(batch.inputs, positions=batch.positions, segment_ids=batch.segment_ids)
+    hidden = model(inputs, positions=positions, segment_ids=segment_ids)
     softcap = getattr(model, "final_logit_softcap", None)
     unembed = model.unembedding()
     if mesh is not None:
@@ -157,7 +157,6 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
     `train.grad_norm_by_sign` the pair (g⁺, g⁻) of gradients of the positive and negative
     records' Σ total (g⁺ + g⁻ = grads). Exposed for tests and the benchmark."""
     check_sign_split(config)
-    check_packing(config)
     use_ref = needs_reference_model(config)
     by_sign = config.train.grad_norm_by_sign
     grad_shardings = jax.tree.map(lambda x: x.sharding, state.params)
@@ -167,15 +166,16 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
         ref_hidden = ref_unembed = None
         if use_ref:
             ref_params = jax.lax.stop_gradient(st.ref_params)
-            ref_hidden, ref_unembed, _ = forward(st.graphdef, ref_params, st.model_state, mb,
-                                                 mesh)
+            ref_hidden, ref_unembed, _ = forward(st.graphdef, ref_params, st.model_state,
+                                                 mb.inputs, mb.positions, mb.segment_ids, mesh)
             ref_hidden = jax.lax.stop_gradient(ref_hidden)
             ref_unembed = jax.lax.stop_gradient(ref_unembed)
 
         def grad_of(b: Batch):
             def loss_of(p):
                 hidden, unembed, softcap = forward(
-                    st.graphdef, cast_to_dtypes(p, st.param_dtypes), st.model_state, b, mesh
+                    st.graphdef, cast_to_dtypes(p, st.param_dtypes), st.model_state,
+                    b.inputs, b.positions, b.segment_ids, mesh,
                 )
                 out: LossOutput = compute_loss(
                     config, b, hidden, unembed, ref_hidden=ref_hidden,
