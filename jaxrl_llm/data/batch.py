@@ -78,8 +78,6 @@ class Batch:
         chex.assert_type([self.inputs, self.targets, self.positions, self.segment_ids], jnp.int32)
 
 
-
-
 def records_view(x: jax.Array, segment_ids: jax.Array, records_per_row: int) -> jax.Array:
     """Per-record view [B·k, T] of a per-token array `x [B, T]` over packed rows.
 

@@ -294,23 +294,23 @@ class BatchLoader:
             it = ThreadPrefetchIterDataset(it, prefetch_buffer_size=o.prefetch)
         self._iterator = iter(it)
 
-    def _slot(self, position: int) -> int:
-        """Unit index (into the kept units) for this process's `position`, or −1 = padding."""
-        epoch, j = divmod(position, self.per_process)
-        return int(self._epoch_slots(epoch, positions=np.asarray([j]))[0])
-
-    def _epoch_slots(self, epoch: int, process: int | None = None,
-                     positions: np.ndarray | None = None) -> np.ndarray:
-        """`_slot` of `process`'s `positions` within `epoch` (default: all of them), as one array."""
+    def _slot(self, position: int, process: int | None = None) -> int:
+        """Unit index (into the kept units) for `process`'s (default: this one's) `position`,
+        or −1 = padding."""
         o = self.options
         process = o.process_index if process is None else process
-        j = np.arange(self.per_process) if positions is None else positions
-        slots = process + j * o.process_count
+        epoch, j = divmod(position, self.per_process)
+        slot = process + j * o.process_count
         if o.shuffle:
-            seed, top = o.seed + epoch, self.slots_per_epoch - 1
-            slots = np.fromiter((index_shuffle(int(s), max_index=top, seed=seed, rounds=_SHUFFLE_ROUNDS)
-                                 for s in slots), np.int64, len(slots))
-        return np.where(slots < len(self._units), slots, -1)
+            slot = int(index_shuffle(slot, max_index=self.slots_per_epoch - 1, seed=o.seed + epoch,
+                                     rounds=_SHUFFLE_ROUNDS))
+        return slot if slot < len(self._units) else -1
+
+    def _epoch_slots(self, epoch: int, process: int | None = None) -> np.ndarray:
+        """`_slot` of every position of `process` in `epoch`, in order."""
+        start = epoch * self.per_process
+        return np.fromiter((self._slot(i, process) for i in range(start, start + self.per_process)),
+                           np.int64, self.per_process)
 
     def _record_row(self, index: int) -> dict[str, Any]:
         return record_row(self.source[index], require_mu=self.options.require_mu,

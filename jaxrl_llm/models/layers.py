@@ -158,7 +158,7 @@ def dense(x: Array, w: Array, in_dims: int = 1) -> Array:
     row-major layout). Why: for a 3-D einsum ("btd,df->btf") XLA's CPU backend materialises
     transposed copies of the output gradient for the weight gradient; the 2-D form lets
     dW = xᵀ·dy run as one dot contracting the row axis (measured: SwiGLU MLP fwd+bwd at the
-    SmolLM2 shape 111 → 139 GFLOP/s). On TPU/GPU both forms compile to the same dots.
+    SmolLM2 shape 111 → 139 GFLOP/s).
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     chex.assert_equal(x.shape[x.ndim - in_dims:], in_shape)
