@@ -22,17 +22,14 @@ Conventions shared by all kernels:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Literal
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_llm.losses.advantages import grpo_advantages
-from jaxrl_llm.losses.types import LossOutput, finite_or_raise
+from jaxrl_llm.losses.types import LossOutput
 
 Array = jax.Array
 Scalar = float | Array
@@ -724,66 +721,3 @@ def off_rl_kl_loss(
     metrics["kl_forward_mean"] = _wmean(kl, rm)
     metrics["off_rl_loss"] = base.total / jnp.maximum(base.weight, 1e-12)
     return LossOutput(base.total + tau * kl_total, base.weight, metrics)
-
-
-# ----------------------------------------------------------------------------- registry
-
-# Selected by `LossConfig.name`. Every entry is called with keyword arrays; its required
-# array arguments are `LOSS_INPUTS[name]` (names as in the function signatures; the Batch
-# field that usually feeds each is in docs/kernels.md), options are keyword arguments.
-LOSSES: dict[str, Callable[..., LossOutput]] = {
-    "topr": topr_loss,
-    **{name: partial(topr_loss, **TOPR_PRESETS[name])
-       for name in ("sft", "reinforce", "opr", "tis")},
-    "ppo": ppo_loss,
-    "grpo": grpo_loss,
-    "dr_grpo": dr_grpo_loss,
-    "off_rl": off_rl_loss,
-    "off_rl_kl": off_rl_kl_loss,
-    "fpa": fpa_loss,
-}
-
-LOSS_INPUTS: Mapping[str, tuple[str, ...]] = {
-    **{name: ("logp", "logmu", "mask", "rewards") for name in TOPR_PRESETS},
-    "ppo": ("logp", "logmu", "mask", "rewards"),
-    "grpo": ("logp", "logmu", "mask", "rewards", "group_ids"),
-    "dr_grpo": ("logp", "logmu", "mask", "rewards", "group_ids"),
-    "off_rl": ("logp", "mask", "rewards"),
-    "off_rl_kl": ("logp", "ref_logp", "mask", "rewards"),
-    "fpa": ("logp", "logp_hat", "mask", "rewards"),
-}
-
-
-def check_loss_inputs(name: str, **arrays: object) -> None:
-    """Caller-facing guard (outside jit) before a loss `name` is trained on.
-
-    Raises a ValueError naming the loss and the argument when a required array of
-    `LOSS_INPUTS[name]` is missing, or when any given floating array holds NaN/inf — on
-    unmasked entries only when `mask` / `record_mask` are given (padding may hold anything).
-    """
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
-    missing = [k for k in LOSS_INPUTS[name] if arrays.get(k) is None]
-    if missing:
-        raise ValueError(f"loss {name!r} needs argument(s) {missing}")
-    mask = arrays.get("mask")
-    record_mask = arrays.get("record_mask")
-    checked = {}
-    for key, value in arrays.items():
-        if value is None or key in ("mask", "record_mask"):
-            continue
-        arr = np.asarray(value)
-        if not np.issubdtype(arr.dtype, np.floating):
-            checked[key] = arr
-            continue
-        keep = np.ones(arr.shape, bool)
-        if mask is not None and arr.shape == np.shape(mask):
-            keep &= np.asarray(mask) > 0
-        if record_mask is not None and arr.shape[:1] == np.shape(record_mask):
-            rm = np.asarray(record_mask) > 0
-            keep &= rm.reshape(rm.shape + (1,) * (arr.ndim - 1))
-        checked[key] = np.where(keep, arr, 0.0)
-    try:
-        finite_or_raise(**checked)
-    except ValueError as err:
-        raise ValueError(f"loss {name!r}: {err}") from None

@@ -2,7 +2,7 @@
 
 The model gives hidden states and its unembedding; this module turns them into per-token
 log-probs with the chunked kernel (SPEC §1, `losses.logprobs`) and calls the loss selected by
-`LossConfig.name` (`losses.policy_gradient.LOSSES`, `losses.preference.PREFERENCE_LOSSES`)
+`LossConfig.name` (`losses.registry.LOSS_SPECS`: kernel, family and required inputs)
 with the `Batch` fields it needs. It returns the kernel's `LossOutput(total, weight,
 metrics)`; the train step sums `total` and `weight` over micro-batches and divides once.
 
@@ -10,7 +10,7 @@ Packed rows (`Batch.records_per_row` k > 1, `data.pack`): the log-probs are comp
 packed rows [B, T] as usual, then every per-token array the kernel reads (π, μ, behaviour
 and reference log-probs, FPA's extrapolated log-probs, the exact KL, `loss_mask`) goes through
 `data.batch.records_view` into a per-record view [B·k, T], matching the [B·k] per-record
-arrays, and the unchanged kernels see one record per view row. Pair losses (`PAIRED_LOSSES`:
+arrays, and the unchanged kernels see one record per view row. Pair losses (`LossSpec.needs_pairs`:
 `pair_index` holds row numbers) refuse packing.
 
 Temperature: μ's log-probs are scored with the sampling temperature (SPEC §0), so π's are too
@@ -19,11 +19,13 @@ Temperature: μ's log-probs are scored with the sampling temperature (SPEC §0),
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxrl_llm.config import PAIRED_LOSSES, ConfigError, ExperimentConfig
+from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch, records_view
 from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses.advantages import grpo_advantages
@@ -32,11 +34,8 @@ from jaxrl_llm.losses.logprobs import (
     token_forward_kl_chunked,
     token_logprobs,
 )
+from jaxrl_llm.losses.registry import LossSpec, loss_spec
 from jaxrl_llm.losses.types import LossOutput
-
-TOPR_FAMILY = ("topr", "sft", "reinforce", "opr", "tis")
-GROUP_LOSSES = ("grpo", "dr_grpo")
-PREFERENCE_NAMES = ("dpo", "rpo", "kto", "apo")
 
 
 def temperature(config: ExperimentConfig) -> float:
@@ -45,15 +44,15 @@ def temperature(config: ExperimentConfig) -> float:
 
 
 def needs_full_batch(config: ExperimentConfig) -> bool:
-    """Losses whose value couples rows across the batch in ways micro-batching would cut:
-    preference pairs (`pair_index` holds global row numbers) and KTO's batch-mean z0."""
-    return config.loss.name in PREFERENCE_NAMES
+    """Losses whose value couples rows across the batch in ways micro-batching would cut
+    (`LossSpec.full_batch`: preference pairs, KTO's batch-mean z0, A*-PO's group values)."""
+    return loss_spec(config.loss.name).full_batch
 
 
 def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None:
     """Per-record advantages that need whole groups (GRPO family), computed on the full batch
     before it is split into micro-batches; None for the other losses."""
-    if config.loss.name not in GROUP_LOSSES:
+    if loss_spec(config.loss.name).family != "group":
         return None
     return grpo_advantages(
         batch.rewards, batch.group_ids, batch.record_mask,
@@ -69,6 +68,26 @@ def _topr_bounds(config: ExperimentConfig) -> dict[str, float]:
         if value is not None:
             bounds[key] = value
     return bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a family binding reads: the config, batch, per-record token arrays and the
+    (lazily computed) reference log-probs and extra kernel inputs."""
+
+    config: ExperimentConfig
+    batch: Batch
+    logp: jax.Array
+    logmu: jax.Array
+    mask: jax.Array
+    ref_logp: Callable[[], jax.Array]
+    per_record: Callable[[jax.Array], jax.Array]
+    hidden: jax.Array
+    unembed: jax.Array
+    ref_hidden: jax.Array | None
+    ref_unembed: jax.Array | None
+    softcap: float | None
+    advantages: jax.Array | None
 
 
 def compute_loss(
@@ -87,30 +106,22 @@ def compute_loss(
     `ref_hidden`/`ref_unembed` come from the frozen reference model (already under
     `stop_gradient`): required for FPA, and for the reference-log-prob losses when
     `train.ref_logprobs: model`; otherwise those losses read `batch.ref_logprobs`.
+    The loss's family (`losses.registry`) selects the binding of batch fields to its kernel.
     """
     lc = config.loss
-    name = lc.name
+    spec = loss_spec(lc.name)
     tau = temperature(config)
     chunk = lc.logprob_chunk_size
     k = batch.records_per_row
-    if k > 1 and name in PAIRED_LOSSES:
+    if k > 1 and spec.needs_pairs:
         raise ConfigError(
-            f"loss.name={name} cannot train on packed rows ({k} records per row, data.pack): "
+            f"loss.name={lc.name} cannot train on packed rows ({k} records per row, data.pack): "
             "pair_index holds row numbers; set data.pack=false"
         )
 
     def per_record(x: jax.Array) -> jax.Array:
         """[B, T] → the kernels' per-record token layout ([B·k, T] when packed)."""
         return x if k == 1 else records_view(x, batch.segment_ids, k)
-
-    logp = per_record(token_logprobs(
-        hidden, unembed, batch.targets, chunk_size=chunk, temperature=tau, softcap=softcap
-    ))
-    logmu = per_record(
-        batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
-    )
-    mask = per_record(batch.loss_mask)
-    rm = batch.record_mask
 
     def ref_logp() -> jax.Array:
         if config.train.ref_logprobs == "batch" or ref_hidden is None:
@@ -120,76 +131,101 @@ def compute_loss(
                            temperature=tau, softcap=softcap)
         ))
 
-    if name in TOPR_FAMILY:
-        return pg.topr_loss(
-            logp, logmu, mask, batch.rewards, **_topr_bounds(config), baseline=lc.baseline,
-            length_norm=lc.length_norm, ratio_level=lc.ratio_level, record_mask=rm,
-        )
-    if name == "ppo":
-        return pg.ppo_loss(
-            logp, logmu, mask, batch.rewards, clip_eps=lc.clip_eps, baseline=lc.baseline,
-            ratio_level=lc.ratio_level, aggregation=lc.aggregation, max_len=batch.seq_len,
-            record_mask=rm,
-        )
-    if name in GROUP_LOSSES:
-        if advantages is None:
-            advantages = batch_advantages(config, batch)
-        options: dict[str, Any] = {"max_len": batch.seq_len, "advantages": advantages,
-                                   "record_mask": rm, "clip_eps": lc.clip_eps}
-        if name == "grpo":
-            options["aggregation"] = lc.aggregation
-        return pg.LOSSES[name](logp, logmu, mask, batch.rewards, batch.group_ids, **options)
-    if name == "off_rl":
-        return pg.off_rl_loss(logp, mask, batch.rewards, correct=batch.correct, record_mask=rm)
-    if name == "off_rl_kl":
-        token_kl = None
-        if lc.kl_exact:
-            if ref_hidden is None or ref_unembed is None:
-                raise ConfigError(
-                    "loss.kl_exact=true needs the reference model's hidden states: set "
-                    "train.ref_logprobs: model"
-                )
-            token_kl = per_record(token_forward_kl_chunked(
-                hidden, unembed, ref_hidden, ref_unembed, chunk_size=chunk, temperature=tau,
-                softcap=softcap,
-            ))
-        return pg.off_rl_kl_loss(
-            logp, ref_logp(), mask, batch.rewards, tau=lc.kl_tau, token_kl=token_kl,
-            correct=batch.correct, record_mask=rm,
-        )
-    if name == "fpa":
-        if ref_hidden is None or ref_unembed is None:
-            raise ConfigError("loss.name=fpa needs the reference model's hidden states")
-        # w = sg(π̂^{1/|y|}) (002 eq. 3): no gradient through π̂, so build no backward for it.
-        logp_hat = extrapolated_logprobs(
-            jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(unembed),
-            ref_hidden, ref_unembed, batch.targets, lam=lc.fpa_lambda, chunk_size=chunk,
-            temperature=tau, softcap=softcap,
-        )
-        return pg.fpa_loss(
-            logp, per_record(jax.lax.stop_gradient(logp_hat)), mask, batch.rewards, fpa_on=lc.fpa_on,
-            correct=batch.correct, record_mask=rm,
-        )
-    if name in PREFERENCE_NAMES:
-        return _preference_loss(config, batch, logp, ref_logp(), mask)
-    raise ConfigError(f"loss.name={name!r} has no train-step binding")
+    logp = per_record(token_logprobs(
+        hidden, unembed, batch.targets, chunk_size=chunk, temperature=tau, softcap=softcap
+    ))
+    logmu = per_record(
+        batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
+    )
+    inputs = _Inputs(config, batch, logp, logmu, per_record(batch.loss_mask), ref_logp,
+                     per_record, hidden, unembed, ref_hidden, ref_unembed, softcap, advantages)
+    return _BINDINGS[spec.family](spec, inputs)
 
 
-def _preference_loss(
-    config: ExperimentConfig, batch: Batch, logp: jax.Array, ref_logp: jax.Array,
-    mask: jax.Array,
-) -> LossOutput:
-    from jaxrl_llm.losses.preference import PREFERENCE_LOSSES
+def _topr_family(spec: LossSpec, x: _Inputs) -> LossOutput:
+    lc, b = x.config.loss, x.batch
+    return pg.topr_loss(
+        x.logp, x.logmu, x.mask, b.rewards, **_topr_bounds(x.config), baseline=lc.baseline,
+        length_norm=lc.length_norm, ratio_level=lc.ratio_level, record_mask=b.record_mask,
+    )
 
-    lc = config.loss
+
+def _ppo(spec: LossSpec, x: _Inputs) -> LossOutput:
+    lc, b = x.config.loss, x.batch
+    return spec.kernel(
+        x.logp, x.logmu, x.mask, b.rewards, clip_eps=lc.clip_eps, baseline=lc.baseline,
+        ratio_level=lc.ratio_level, aggregation=lc.aggregation, max_len=b.seq_len,
+        record_mask=b.record_mask,
+    )
+
+
+def _group(spec: LossSpec, x: _Inputs) -> LossOutput:
+    lc, b = x.config.loss, x.batch
+    advantages = x.advantages
+    if advantages is None:
+        advantages = batch_advantages(x.config, b)
+    options: dict[str, Any] = {"max_len": b.seq_len, "advantages": advantages,
+                               "record_mask": b.record_mask, "clip_eps": lc.clip_eps}
+    if spec.name == "grpo":
+        options["aggregation"] = lc.aggregation
+    return spec.kernel(x.logp, x.logmu, x.mask, b.rewards, b.group_ids, **options)
+
+
+def _off_rl(spec: LossSpec, x: _Inputs) -> LossOutput:
+    lc, b = x.config.loss, x.batch
+    if not spec.needs_ref:
+        return spec.kernel(x.logp, x.mask, b.rewards, correct=b.correct,
+                           record_mask=b.record_mask)
+    token_kl = None
+    if lc.kl_exact:
+        if x.ref_hidden is None or x.ref_unembed is None:
+            raise ConfigError(
+                "loss.kl_exact=true needs the reference model's hidden states: set "
+                "train.ref_logprobs: model"
+            )
+        token_kl = x.per_record(token_forward_kl_chunked(
+            x.hidden, x.unembed, x.ref_hidden, x.ref_unembed, chunk_size=lc.logprob_chunk_size,
+            temperature=temperature(x.config), softcap=x.softcap,
+        ))
+    return spec.kernel(
+        x.logp, x.ref_logp(), x.mask, b.rewards, tau=lc.kl_tau, token_kl=token_kl,
+        correct=b.correct, record_mask=b.record_mask,
+    )
+
+
+def _fpa(spec: LossSpec, x: _Inputs) -> LossOutput:
+    lc, b = x.config.loss, x.batch
+    if x.ref_hidden is None or x.ref_unembed is None:
+        raise ConfigError("loss.name=fpa needs the reference model's hidden states")
+    # w = sg(π̂^{1/|y|}) (FPA eq. 3): no gradient through π̂, so build no backward for it.
+    logp_hat = extrapolated_logprobs(
+        jax.lax.stop_gradient(x.hidden), jax.lax.stop_gradient(x.unembed),
+        x.ref_hidden, x.ref_unembed, b.targets, lam=lc.fpa_lambda,
+        chunk_size=lc.logprob_chunk_size, temperature=temperature(x.config), softcap=x.softcap,
+    )
+    return spec.kernel(
+        x.logp, x.per_record(jax.lax.stop_gradient(logp_hat)), x.mask, b.rewards,
+        fpa_on=lc.fpa_on, correct=b.correct, record_mask=b.record_mask,
+    )
+
+
+def _preference(spec: LossSpec, x: _Inputs) -> LossOutput:
+    lc, b = x.config.loss, x.batch
     options: dict[str, Any] = {
         "dpo": {"beta": lc.beta},
         "rpo": {"beta": lc.beta, "alpha": lc.rpo_alpha},
         "kto": {"beta": lc.beta},
         "apo": {"beta1": lc.apo_beta1, "beta2": lc.apo_beta2},
-    }[lc.name]
-    return PREFERENCE_LOSSES[lc.name](
-        logp=logp, ref_logp=ref_logp, mask=mask, rewards=batch.rewards,
-        correct=batch.correct, group_ids=batch.group_ids, pair_index=batch.pair_index,
-        record_mask=batch.record_mask, **options,
+    }[spec.name]
+    return spec.kernel(
+        logp=x.logp, ref_logp=x.ref_logp(), mask=x.mask, rewards=b.rewards,
+        correct=b.correct, group_ids=b.group_ids, pair_index=b.pair_index,
+        record_mask=b.record_mask, **options,
     )
+
+
+# `LossSpec.family` → how the batch's fields are bound to the family's kernel.
+_BINDINGS: dict[str, Callable[[LossSpec, _Inputs], LossOutput]] = {
+    "topr": _topr_family, "ppo": _ppo, "group": _group, "off_rl": _off_rl, "fpa": _fpa,
+    "preference": _preference,
+}

@@ -38,16 +38,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch, token_record_mask
+from jaxrl_llm.losses.registry import LOSS_SPECS, loss_spec
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree
-from jaxrl_llm.train.loss_fn import (
-    GROUP_LOSSES,
-    TOPR_FAMILY,
-    batch_advantages,
-    compute_loss,
-    needs_full_batch,
-)
+from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.state import TrainState, cast_to_dtypes, needs_reference_model
 
@@ -119,12 +114,11 @@ def _split_micro(batch: Batch, n: int, mesh: Mesh) -> Batch:
     return batch.replace(**fields)
 
 
-# Which records count as positive for `train.grad_norm_by_sign`, per loss family.
-SIGN_DEFINITIONS = {
-    **{name: "reward - loss.baseline >= 0" for name in (*TOPR_FAMILY, "ppo")},
-    **{name: "group advantage >= 0" for name in GROUP_LOSSES},
-    **{name: "batch.correct" for name in ("off_rl", "off_rl_kl", "fpa")},
-}
+# Which records count as positive for `train.grad_norm_by_sign` (`LossSpec.positive`).
+_POSITIVE_RULES = {"baseline": "reward - loss.baseline >= 0", "group": "group advantage >= 0",
+                   "correct": "batch.correct"}
+SIGN_DEFINITIONS = {name: _POSITIVE_RULES[spec.positive] for name, spec in LOSS_SPECS.items()
+                    if spec.positive is not None}
 
 
 def check_sign_split(config: ExperimentConfig) -> None:
@@ -138,15 +132,15 @@ def check_sign_split(config: ExperimentConfig) -> None:
 
 
 def positive_records(config: ExperimentConfig, batch: Batch, adv: jax.Array | None) -> jax.Array:
-    """[B] bool: the records on the positive side of the split (`SIGN_DEFINITIONS`).
+    """[B] bool: the records on the positive side of the split (`LossSpec.positive`).
 
-    TOPR family and PPO use the kernel's own rule `A = R − baseline ≥ 0` (000 eq. 7); the
+    TOPR family and PPO use the kernel's own rule `A = R − baseline ≥ 0` (TOPR eq. 7); the
     GRPO family the full-batch group advantage `Â ≥ 0`; Off-RL/FPA, which have no baseline,
-    the verifier's `correct` flag (002's correct/incorrect split)."""
-    name = config.loss.name
-    if name in GROUP_LOSSES:
+    the verifier's `correct` flag (FPA's correct/incorrect split)."""
+    rule = loss_spec(config.loss.name).positive
+    if rule == "group":
         return adv >= 0
-    if name in TOPR_FAMILY or name == "ppo":
+    if rule == "baseline":
         return batch.rewards - jnp.float32(config.loss.baseline) >= 0
     return batch.correct.astype(bool)
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses.advantages import effective_positive_fraction
+from jaxrl_llm.losses.registry import LOSS_SPECS, check_loss_inputs
 
 PRESETS = list(pg.TOPR_PRESETS)
 B, T = 6, 7
@@ -123,7 +124,7 @@ def test_table1_effective_weights(preset):
     mask = np.ones((n_rec, t), np.float32)
     adv = np.concatenate([np.full(log_r.size, 1.5), np.full(log_r.size, -0.5)]).astype(np.float32)
     # through the registry entry itself (concrete preset bounds), jitted once per preset
-    grad = jax.jit(jax.grad(lambda lp: pg.LOSSES[preset](
+    grad = jax.jit(jax.grad(lambda lp: LOSS_SPECS[preset].kernel(
         logp=lp, logmu=logmu, mask=mask, rewards=adv).total))(jnp.asarray(logp))
     weight = np.asarray(grad)[:, 0] / (-adv / t)
     r = np.exp(log_r)
@@ -287,7 +288,7 @@ def test_grpo_by_hand(aggregation):
 
 def test_dr_grpo_by_hand():
     logp, logmu, mask, _ = _random_batch(6, b=5, t=6, spread=0.3)
-    out = pg.LOSSES["dr_grpo"](logp=logp, logmu=logmu, mask=mask, rewards=GRPO_REWARDS,
+    out = LOSS_SPECS["dr_grpo"].kernel(logp=logp, logmu=logmu, mask=mask, rewards=GRPO_REWARDS,
                                group_ids=GRPO_GROUPS, max_len=16)
     expected = _grpo_by_hand(logp, logmu, mask, False, "seq-mean-token-sum-norm", 16)
     np.testing.assert_allclose(out.loss, expected, rtol=1e-5)
@@ -416,9 +417,9 @@ def extreme_batch():
 
 
 EXTREME_CALLS = {
-    **{name: lambda lp, lm, m, r, name=name: pg.LOSSES[name](logp=lp, logmu=lm, mask=m, rewards=r)
+    **{name: lambda lp, lm, m, r, name=name: LOSS_SPECS[name].kernel(logp=lp, logmu=lm, mask=m, rewards=r)
        for name in PRESETS},
-    **{f"{name}_token": lambda lp, lm, m, r, name=name: pg.LOSSES[name](
+    **{f"{name}_token": lambda lp, lm, m, r, name=name: LOSS_SPECS[name].kernel(
         logp=lp, logmu=lm, mask=m, rewards=r, ratio_level="token") for name in ("opr", "topr")},
     "ppo": lambda lp, lm, m, r: pg.ppo_loss(lp, lm, m, r),
     "grpo": lambda lp, lm, m, r: pg.grpo_loss(lp, lm, m, r, jnp.array([0, 0, 1, 1])),
@@ -450,7 +451,7 @@ def test_opr_full_importance_weight_below_the_cap():
     # r = e^20 is below LOG_RATIO_CAP: opr's gradient weight is exactly r (no hidden clip)
     logmu = np.full((1, 4), -1.0, np.float32)
     logp = logmu + 5.0
-    grad = jax.grad(lambda lp: pg.LOSSES["opr"](logp=lp, logmu=logmu, mask=np.ones((1, 4)),
+    grad = jax.grad(lambda lp: LOSS_SPECS["opr"].kernel(logp=lp, logmu=logmu, mask=np.ones((1, 4)),
                                                 rewards=np.ones(1)).total)(jnp.asarray(logp))
     np.testing.assert_allclose(np.asarray(grad), -math.exp(20.0) / 4, rtol=1e-5)
 
@@ -465,8 +466,8 @@ def _property_losses(logp, logmu, mask, rewards):
     return jnp.stack([
         pg.topr_loss(logp, logmu, mask, rewards).total,
         pg.topr_loss(logp, logmu, mask, rewards, ratio_level="token").total,
-        pg.LOSSES["opr"](logp=logp, logmu=logmu, mask=mask, rewards=rewards).total,
-        pg.LOSSES["sft"](logp=logp, logmu=logmu, mask=mask, rewards=rewards).total,
+        LOSS_SPECS["opr"].kernel(logp=logp, logmu=logmu, mask=mask, rewards=rewards).total,
+        LOSS_SPECS["sft"].kernel(logp=logp, logmu=logmu, mask=mask, rewards=rewards).total,
         pg.ppo_loss(logp, logmu, mask, rewards).total,
         pg.grpo_loss(logp, logmu, mask, rewards, _ids).total,
         pg.fpa_loss(logp, logmu, mask, rewards).total,
@@ -559,38 +560,46 @@ def test_shape_and_dtype_errors_name_arguments():
 
 def test_check_loss_inputs_names_nan_and_missing_arguments():
     logp, logmu, mask, rewards = _random_batch(2)
-    pg.check_loss_inputs("topr", logp=logp, logmu=logmu, mask=mask, rewards=rewards)
+    check_loss_inputs("topr", logp=logp, logmu=logmu, mask=mask, rewards=rewards)
     bad = rewards.copy()
     bad[3] = np.nan
     with pytest.raises(ValueError, match=r"loss 'topr': rewards .*index \[3\]"):
-        pg.check_loss_inputs("topr", logp=logp, logmu=logmu, mask=mask, rewards=bad)
+        check_loss_inputs("topr", logp=logp, logmu=logmu, mask=mask, rewards=bad)
     bad_lp = logp.copy()
     bad_lp[0, 0] = -np.inf
     with pytest.raises(ValueError, match="logp contains 1 non-finite"):
-        pg.check_loss_inputs("fpa", logp=bad_lp, logp_hat=logp, mask=mask, rewards=rewards)
+        check_loss_inputs("fpa", logp=bad_lp, logp_hat=logp, mask=mask, rewards=rewards)
     # NaN on a masked (padding) token is not an error
     masked = logp.copy()
     masked[mask == 0] = np.nan
     if (mask == 0).any():
-        pg.check_loss_inputs("off_rl", logp=masked, mask=mask, rewards=rewards)
+        check_loss_inputs("off_rl", logp=masked, mask=mask, rewards=rewards)
     with pytest.raises(ValueError, match=r"needs argument\(s\) \['group_ids'\]"):
-        pg.check_loss_inputs("grpo", logp=logp, logmu=logmu, mask=mask, rewards=rewards)
+        check_loss_inputs("grpo", logp=logp, logmu=logmu, mask=mask, rewards=rewards)
     with pytest.raises(ValueError, match="unknown loss"):
-        pg.check_loss_inputs("dpo_typo")
+        check_loss_inputs("dpo_typo")
 
 
 def test_registry_covers_config_names_and_inputs():
-    from jaxrl_llm.config import LossConfig
+    from jaxrl_llm.config import ConfigError, load_config
 
-    policy_names = {"topr", "sft", "reinforce", "opr", "tis", "ppo", "grpo", "dr_grpo",
-                    "off_rl", "off_rl_kl", "fpa"}
-    assert set(pg.LOSSES) == policy_names == set(pg.LOSS_INPUTS)
-    assert policy_names <= set(LossConfig.model_fields["name"].annotation.__args__)
+    names = {"topr", "sft", "reinforce", "opr", "tis", "ppo", "grpo", "dr_grpo",
+             "off_rl", "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo"}
+    assert set(LOSS_SPECS) == names
+    for name in names:  # the config accepts exactly the registry's names
+        assert load_config(None, [f"loss.name={name}"]).loss.name == name
+    with pytest.raises(ConfigError, match="unknown loss 'dpo_typo'"):
+        load_config(None, ["loss.name=dpo_typo"])
     logp, logmu, mask, rewards = _random_batch(4)
     arrays = {"logp": logp, "logmu": logmu, "mask": mask, "rewards": rewards,
               "group_ids": np.array([0, 0, 1, 1, 2, 2]), "ref_logp": logmu, "logp_hat": logmu}
-    for name, fn in pg.LOSSES.items():
-        out = fn(**{k: arrays[k] for k in pg.LOSS_INPUTS[name]})
+    for name, spec in LOSS_SPECS.items():
+        if spec.family == "preference":
+            continue  # pair/group fields: tests/losses/test_preference.py
+        out = spec.kernel(**{k: arrays[k] for k in spec.inputs})
         # grpo's default aggregation is token-mean (weight = tokens); the rest count records
         expected_weight = mask.sum() if name == "grpo" else B
         assert float(out.weight) == expected_weight and np.isfinite(float(out.loss)), name
+    # the ratio losses are exactly those with μ in their inputs and a truncation bound < ∞ or PPO
+    assert {n for n, s in LOSS_SPECS.items() if s.needs_mu} == {
+        "topr", "opr", "tis", "ppo", "grpo", "dr_grpo"}

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.losses import policy_gradient as pg
+from jaxrl_llm.losses.registry import LOSS_SPECS
 
 MU = np.array([0.1, 0.3, 0.3, 0.3], np.float32)
 REWARDS = np.array([1.0, -1.0, -1.0, -1.0], np.float32)  # one positive, three negatives
@@ -25,7 +25,7 @@ STEPS, LR = 2000, 0.1
 
 def _objective(theta, preset):
     logp = jax.nn.log_softmax(theta)[:, None]
-    out = pg.LOSSES[preset](logp=logp, logmu=np.log(MU)[:, None], mask=MASK, rewards=REWARDS,
+    out = LOSS_SPECS[preset].kernel(logp=logp, logmu=np.log(MU)[:, None], mask=MASK, rewards=REWARDS,
                             record_mask=MU)
     return -out.total
 
@@ -88,7 +88,7 @@ def test_topr_weights_vanish_on_unlearnt_negatives(runs):
     _, log_probs = runs["topr"]
     probs = np.exp(log_probs)
     logp = jnp.asarray(log_probs[-1], jnp.float32)[:, None]
-    g = jax.grad(lambda lp: pg.LOSSES["topr"](logp=lp, logmu=np.log(MU)[:, None], mask=MASK,
+    g = jax.grad(lambda lp: LOSS_SPECS["topr"].kernel(logp=lp, logmu=np.log(MU)[:, None], mask=MASK,
                                              rewards=REWARDS, record_mask=MU).total)(logp)
     ratio = probs[-1] / MU
     # ∂total/∂logπ(τ) = −μ(τ) · α(τ) · R(τ), α = 1 for the positive, min(r, 1) for negatives
