@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 # name -> (module implementing it, one-line help). Only commands that exist are listed.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("jaxrl_llm.config_cli", "print the resolved configuration (YAML + overrides)"),
+    "config": ("jaxrl_llm.config_cli", "print the resolved configuration of any config (experiment, iterate, quickstart)"),
     "plan": ("jaxrl_llm.plan", "compile the train step for a mesh/TPU topology; per-device memory and FLOPs"),
     "data": ("jaxrl_llm.data.cli", "inspect record shards: show | stats | export-jsonl"),
     "generate": ("jaxrl_llm.generate.cli", "sample completions (jax or vllm) and write scored records"),
     "score": ("jaxrl_llm.generate.score_cli", "write μ per-token log-probs with the trainer's numerics"),
-    "curate": ("jaxrl_llm.data.curate_cli", "select a training set from records (SPEC §7)"),
+    "curate": ("jaxrl_llm.data.curate_cli", "select a training set from records (curation, group transforms)"),
     "report": ("jaxrl_llm.eval.report", "PNG plots and a Markdown summary of a run directory"),
     "train": ("jaxrl_llm.train.trainer", "train on scored records; resumes from the latest checkpoint"),
     "export": ("jaxrl_llm.export", "write a training checkpoint as an HF directory (atomic)"),
@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module = importlib.import_module(args._module)
     from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.data.records import RecordError
 
     try:
         if args.command in DEVICE_COMMANDS:
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             initialize()  # no-op on a single host (parallel/distributed.py)
         code = module.run(args)
-    except ConfigError as err:
+    except (ConfigError, RecordError) as err:  # bad config or bad input data: no traceback
         print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
         return 2
     return int(code or 0)

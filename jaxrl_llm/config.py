@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jaxrl_llm.paths import RunPath  # run/output paths: absolute (or gs://) once validated
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the key and source it came from in the message."""
@@ -171,7 +173,7 @@ class GenerateConfig(Section):
     max_new_tokens: int = Field(512, gt=0)
     batch_size: int = Field(32, gt=0)
     split: str = "train"
-    output: str | None = Field(None, description="record directory to write (local or gs://)")
+    output: RunPath | None = Field(None, description="record directory to write (local or gs://)")
     records_per_shard: int = Field(10_000, gt=0)
     stop_at_eos: bool = True
     # vLLM (GPU host): what its `logprobs` mean, and engine options.
@@ -180,7 +182,11 @@ class GenerateConfig(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # Score pass (SPEC §0): μ per-token log-probs with the trainer's numerics.
     score_batch_size: int = Field(8, gt=0)
-    score_output: str | None = Field(None, description="scored record directory (default: <records>-scored)")
+    score_output: RunPath | None = Field(None, description="scored record directory (default: <records>-scored)")
+    # Score pass: flag sequences whose |Σ log μ_sampler − Σ log μ_trainer| exceeds this (nats);
+    # with drop_mismatched, leave them out of the scored records (counts in the report).
+    max_mismatch: float | None = Field(None, gt=0)
+    drop_mismatched: bool = False
 
 
 class DataConfig(Section):
@@ -188,7 +194,7 @@ class DataConfig(Section):
 
     task: str = "arithmetic"
     task_path: str | None = None
-    records: str | None = None
+    records: RunPath | None = None
     curation: str = "uniform"
     target_positive_fraction: float | None = Field(None, ge=0, le=1)
     num_prompts: int = Field(256, gt=0)
@@ -199,7 +205,7 @@ class DataConfig(Section):
     reward_scheme: Literal["pm1", "01"] = "pm1"
     task_options: dict[str, Any] = Field(default_factory=dict, description="task constructor kwargs")
     # Curation (SPEC §7): output directory, size, and a group transform applied before training.
-    curated: str | None = None
+    curated: RunPath | None = None
     num_records: int | None = Field(None, gt=0)
     hard_power: float = Field(1.0, gt=0)
     group_transform: Literal["none", "rloo", "grpo", "dr_grpo", "pkpo"] = "none"
@@ -245,7 +251,7 @@ class ExperimentConfig(Section):
     """One experiment: every section plus the run's identity and seed."""
 
     name: str = "experiment"
-    run_dir: str = "runs/experiment"
+    run_dir: RunPath = Field("runs/experiment", validate_default=True)
     seed: int = 0
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)

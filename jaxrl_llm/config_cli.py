@@ -1,10 +1,28 @@
-"""`jaxrl-llm config`: show the configuration a run would use, after validation."""
+"""`jaxrl-llm config`: show the configuration a run would use, after validation.
+
+A config file is read with the schema of the command it is written for: a plain experiment
+(`train`, `score`, `curate`, ...), `iterate` (an `iterate:` section) or `quickstart` (`sft:`,
+`tokenizer_vocab_size`). The schema is picked from the file's top-level keys (and the
+overrides'), or given with `--schema`.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from jaxrl_llm.config import dump_config, load_config
+import yaml
+
+from jaxrl_llm.config import ConfigError, dump_config, load_config
+
+# --schema name -> "module:class"; imported on use so `--help` stays fast.
+SCHEMAS: dict[str, str] = {
+    "experiment": "jaxrl_llm.config:ExperimentConfig",
+    "iterate": "jaxrl_llm.iterate:IterateConfig",
+    "quickstart": "jaxrl_llm.quickstart:QuickstartConfig",
+}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -15,9 +33,46 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool = Fa
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    parser.add_argument("--schema", choices=("auto", *SCHEMAS), default="auto",
+                        help="which command's config the file is (default: from its keys)")
+
+
+def schema_class(name: str) -> type[Any]:
+    import importlib
+
+    module, cls = SCHEMAS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def top_level_keys(path: str | None, overrides: Sequence[str]) -> set[str]:
+    """The top-level keys a file and its `a.b=c` overrides set (unreadable files: none; the
+    loader reports them)."""
+    keys = {o.split("=", 1)[0].split(".", 1)[0] for o in overrides if "=" in o}
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            tree = None
+        if isinstance(tree, dict):
+            keys |= {str(k) for k in tree}
+    return keys
+
+
+def pick_schema(keys: set[str]) -> str:
+    """The narrowest schema whose fields include every key; else the one that leaves the
+    fewest unknown (its validation then names only those)."""
+    # SCHEMAS is ordered narrowest first, and min() keeps the first of equals.
+    return min(SCHEMAS, key=lambda name: len(keys - set(schema_class(name).model_fields)))
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    name = args.schema
+    if name == "auto":
+        name = pick_schema(top_level_keys(args.config, args.overrides))
+    try:
+        config = load_config(args.config, args.overrides, schema=schema_class(name))
+    except ConfigError as err:
+        raise ConfigError(f"{err} (read as a {name!r} config; --schema "
+                          f"{'|'.join(SCHEMAS)} picks another)") from err
     print(dump_config(config), end="")
     return 0

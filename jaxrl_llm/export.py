@@ -4,7 +4,9 @@ The parameters are restored from the Orbax checkpoint (gathered from every host 
 multi-host job), written by the models package's exporter (`models.hf.save_pretrained`:
 safetensors + config.json + generation_config.json + tokenizer files) into a temporary
 sibling directory, which is then renamed onto `HF_DIR`: a reader never sees a half-written
-export, and a crash leaves the previous export (if any) in place.
+export, and a crash leaves the previous export (if any) in place. A remote `HF_DIR`
+(`gs://…`) is written locally first, then copied file by file (object stores have no atomic
+directory rename).
 """
 
 from __future__ import annotations
@@ -16,15 +18,26 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from etils import epath
 
-def atomic_save(model: Any, out_dir: str | Path, *, tokenizer: Any = None,
-                dtype: str | None = None, overwrite: bool = False) -> Path:
+from jaxrl_llm.paths import PathLike, as_path, copy_tree, is_remote
+
+
+def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
+                dtype: str | None = None, overwrite: bool = False) -> epath.Path:
     """`hf.save_pretrained` into a temporary directory next to `out_dir`, then rename."""
+    target = as_path(out_dir)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} exists (pass --overwrite to replace it)")
+    if is_remote(target):
+        return _save_remote(model, target, tokenizer=tokenizer, dtype=dtype)
+    _save_local(model, Path(os.fspath(target)), tokenizer=tokenizer, dtype=dtype)
+    return target
+
+
+def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None) -> None:
     from jaxrl_llm.models import hf
 
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -41,7 +54,17 @@ def atomic_save(model: Any, out_dir: str | Path, *, tokenizer: Any = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+
+
+def _save_remote(model: Any, out: epath.Path, *, tokenizer: Any,
+                 dtype: str | None) -> epath.Path:
+    """Export into a local temporary directory, then copy every file under `out`."""
+    with tempfile.TemporaryDirectory(prefix="jaxrl-export-") as local:
+        staged = Path(local) / "export"
+        _save_local(model, staged, tokenizer=tokenizer, dtype=dtype)
+        if out.exists():
+            out.rmtree()
+        return copy_tree(staged, out)
 
 
 def _special_ids(tokenizer: Any) -> dict[str, int]:
@@ -66,9 +89,9 @@ def tokenizer_for(config: Any, tokenizer: str | None) -> Any:
     return tokenizer_from_config(config)
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None,
+def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | None = None,
                       tokenizer: str | None = None, dtype: str | None = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False) -> epath.Path:
     """Restore `checkpoint` (run dir, checkpoints dir or step dir) and export it to `out_dir`."""
     import jax
 
@@ -77,7 +100,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     restored = restore_model(checkpoint, step=step)
     tok = tokenizer_for(restored.config, tokenizer)
     if jax.process_index() != 0:  # every host restored and gathered; one writes
-        return Path(out_dir)
+        return as_path(out_dir)
     return atomic_save(restored.model, out_dir, tokenizer=tok, dtype=dtype, overwrite=overwrite)
 
 

@@ -21,12 +21,13 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from etils import epath
 from pydantic import Field
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig, Section
+from jaxrl_llm.paths import append_text, as_path
 
 STAGES = ("generate", "score", "curate", "train", "export", "evaluate")
 STAGES_FILE = "stages.json"
@@ -60,7 +61,7 @@ def experiment_part(config: ExperimentConfig) -> ExperimentConfig:
 @dataclass
 class IterationResult:
     index: int
-    directory: Path
+    directory: epath.Path
     model: Any
     eval: dict[str, Any] | None
     stages: dict[str, Any]
@@ -69,8 +70,8 @@ class IterationResult:
 class StageLog:
     """`iter_i/stages.json`: which stages completed, with their outputs and timings."""
 
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / STAGES_FILE
+    def __init__(self, directory: epath.Path) -> None:
+        self.path = as_path(directory) / STAGES_FILE
         self.stages: dict[str, Any] = (
             json.loads(self.path.read_text()) if self.path.exists() else {}
         )
@@ -92,7 +93,7 @@ def _say(progress: bool, text: str) -> None:
 
 
 def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfig,
-                  out_dir: Path, *, label: str, step: int | None = None) -> dict[str, Any]:
+                  out_dir: epath.Path, *, label: str, step: int | None = None) -> dict[str, Any]:
     """Evaluate `model` on the config's eval split and write `out_dir/eval.json`."""
     from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
 
@@ -112,7 +113,7 @@ def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfi
     return summary
 
 
-def record_sample_metrics(config: IterateConfig, index: int, records: Path) -> dict[str, Any]:
+def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path) -> dict[str, Any]:
     """Training-sample metrics of 003 for iteration `index`: pass@k for every k ≤ n on the
     prompts just sampled, and the cumulative solve rate (fraction of the tasks seen so far
     solved at least once). Appended as one row to `run_dir/metrics.jsonl` (step = the
@@ -122,7 +123,7 @@ def record_sample_metrics(config: IterateConfig, index: int, records: Path) -> d
     from jaxrl_llm.data.shards import RecordSource
     from jaxrl_llm.eval.metrics import SolveTracker, pass_at_k_per_question
 
-    run_dir = Path(config.run_dir)
+    run_dir = as_path(config.run_dir)
     d = config.data
     source = RecordSource(str(records))
     groups = np.asarray([r.group_id for r in source])
@@ -145,9 +146,22 @@ def record_sample_metrics(config: IterateConfig, index: int, records: Path) -> d
     if n == int(n_per.max()):  # pass@k needs the same n for every prompt
         curve = pass_at_k_per_question(n, c_per).mean(axis=0)
         row.update({f"samples/pass_at_{k}": float(curve[k - 1]) for k in range(1, n + 1)})
-    with (run_dir / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_text(run_dir / "metrics.jsonl", json.dumps(row) + "\n")
     return {k.split("/", 1)[1]: v for k, v in row.items() if k != "step"}
+
+
+def previous_train_state(config: IterateConfig, index: int) -> epath.Path | None:
+    """Iteration `index − 1`'s checkpoints, whose final train state (optimizer moments and
+    step, RNG) iteration `index` continues; None for the first iteration (a fresh optimizer)."""
+    from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR
+
+    if index <= 1:
+        return None
+    previous = as_path(config.run_dir) / f"iter_{index - 1}"
+    if not StageLog(previous).done("train"):
+        raise FileNotFoundError(f"iteration {index}: iteration {index - 1} has no finished "
+                                f"train stage in {previous} to continue from")
+    return previous / "train" / CHECKPOINT_DIR
 
 
 def pkpo_k_for(config: IterateConfig, index: int) -> int | None:
@@ -163,12 +177,13 @@ def run_iteration(
 ) -> IterationResult:
     """One iteration with π_{i−1} = `model`; completed stages are skipped."""
     from jaxrl_llm.data.curation import curate_directory
+    from jaxrl_llm.data.stages import choose_input, needs_score
     from jaxrl_llm.generate.jax_backend import generate_records
     from jaxrl_llm.generate.score import score_records
-    from jaxrl_llm.train.trainer import MU_FREE_LOSSES, Trainer
+    from jaxrl_llm.train.trainer import Trainer
 
     g, d = config.generate, config.data
-    it_dir = Path(config.run_dir) / f"iter_{index}"
+    it_dir = as_path(config.run_dir) / f"iter_{index}"
     log = StageLog(it_dir)
     records, scored, curated = it_dir / "records", it_dir / "scored", it_dir / "curated"
 
@@ -192,7 +207,8 @@ def run_iteration(
         _say(progress, f"[iter {index}] generated {manifest.num_records} records "
                        f"({manifest.num_correct} correct, {manifest.num_invalid} invalid)")
 
-    needs_mu = config.loss.mu_source == "trainer" and config.loss.name not in MU_FREE_LOSSES
+    # Score when the loss reads μ or π_ref from the records (losses/registry.py).
+    needs_mu = needs_score(config)
     if not log.done("score"):
         t0 = time.perf_counter()
         info: dict[str, Any] = {"skipped": True}
@@ -206,7 +222,8 @@ def run_iteration(
                                  model_name=f"iter_{index - 1}", progress=progress,
                                  mesh=mesh if mesh is not None else make_mesh(config.mesh))
         log.mark("score", {**info, "seconds": time.perf_counter() - t0})
-    source = scored if needs_mu else records
+    # The stage chain's rule (data/stages.py): curate reads the scored records when written.
+    source = choose_input("curate", records=str(records), scored=str(scored) if needs_mu else None)
 
     if not log.done("curate"):
         t0 = time.perf_counter()
@@ -227,7 +244,8 @@ def run_iteration(
     if not log.done("train"):
         t0 = time.perf_counter()
         trainer = Trainer(experiment_part(config), records=curated, run_dir=train_dir,
-                          model=model, mesh=mesh, progress=progress)
+                          model=model, mesh=mesh, progress=progress,
+                          init_from=previous_train_state(config, index))
         try:
             result = trainer.run()
         finally:
@@ -282,7 +300,7 @@ def run_iterations(
     task = task_from_config(config)
     if tokenizer is None:
         tokenizer = tokenizer_from_config(config)
-    run_dir = Path(config.run_dir)
+    run_dir = as_path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
 

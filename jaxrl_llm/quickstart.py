@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
+from etils import epath
 from pydantic import Field
 
 from jaxrl_llm.config import Section, config_from_dict
 from jaxrl_llm.iterate import IterateConfig
+from jaxrl_llm.paths import as_path
 
 TASK_OPTIONS = {"min_ops": 1, "max_ops": 2, "max_operand": 9}
 
@@ -99,7 +100,7 @@ def load_quickstart_config(path: str | None, overrides: list[str]) -> Quickstart
                             schema=QuickstartConfig)
 
 
-def build_tokenizer(config: QuickstartConfig, task: Any, out_dir: Path) -> Any:
+def build_tokenizer(config: QuickstartConfig, task: Any, out_dir: epath.Path) -> Any:
     """A byte-level BPE (digits split) trained on the task's prompts and gold solutions."""
     from transformers import AutoTokenizer
 
@@ -114,7 +115,7 @@ def build_tokenizer(config: QuickstartConfig, task: Any, out_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
-def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir: Path, *,
+def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir: epath.Path, *,
                    progress: bool) -> tuple[Any, dict[str, Any]]:
     """Random init → SFT on gold solutions, stopping once pass@1 ≥ the target."""
     from jaxrl_llm.data.shards import write_records
@@ -179,7 +180,7 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     return result.state.model(), info
 
 
-def check_transformers_loads(export_dir: Path) -> str:
+def check_transformers_loads(export_dir: epath.Path) -> str:
     """Load the export with transformers (PyTorch) and greedy-decode a prompt; a message."""
     try:
         import torch  # noqa: F401
@@ -204,7 +205,7 @@ def run_quickstart(config: QuickstartConfig, *, progress: bool = True) -> dict[s
     from jaxrl_llm.iterate import run_iterations
 
     t_start = time.perf_counter()
-    run_dir = Path(config.run_dir)
+    run_dir = as_path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = task_from_config(config)
     timings: dict[str, float] = {}

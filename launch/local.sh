@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Run a jaxrl-llm command on this machine (CPU, or all local GPUs/TPU chips as one mesh).
+# Run a config on this machine (CPU, or all local GPUs/TPU chips as one mesh).
 #
 # Usage:
-#   launch/local.sh CONFIG.yaml [key=value ...]            # jaxrl-llm train on this host
-#   COMMAND=plan launch/local.sh CONFIG.yaml               # any other command
+#   launch/local.sh CONFIG.yaml [key=value ...]            # the config's whole stage chain
+#   STAGES=score,train launch/local.sh CONFIG.yaml         # only these stages, in chain order
+#   COMMAND=plan launch/local.sh CONFIG.yaml               # one jaxrl-llm command instead
 #   CPU_DEVICES=8 launch/local.sh CONFIG.yaml mesh.fsdp=8  # 8 fake CPU devices (test meshes)
 #
-# Environment: VENV (default .venv, skipped if absent), COMMAND (default train),
-# CPU_DEVICES (force JAX onto N host CPU devices).
+# The chain is the "# Stages" block of the config's header (python -m jaxrl_llm.chain CONFIG
+# prints it; it is checked first, so a missing key fails before any stage runs). Overrides
+# are appended to every stage that reads the config. Environment: VENV (default .venv,
+# skipped if absent), STAGES, COMMAND, CPU_DEVICES (force JAX onto N host CPU devices).
 set -euo pipefail
 
 if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 config=$1
@@ -26,4 +29,13 @@ if [[ -n "${CPU_DEVICES:-}" ]]; then
   export JAX_PLATFORMS=cpu
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${CPU_DEVICES}"
 fi
-exec jaxrl-llm "${COMMAND:-train}" --config "$config" "$@"
+if [[ -n "${COMMAND:-}" ]]; then
+  exec jaxrl-llm "$COMMAND" --config "$config" "$@"
+fi
+
+python -m jaxrl_llm.chain --check "$config"
+mapfile -t commands < <(python -m jaxrl_llm.chain --only "${STAGES:-}" "$config" "$@")
+for command in "${commands[@]}"; do
+  echo "+ $command" >&2
+  bash -c "$command"
+done

@@ -5,18 +5,22 @@
 #   launch/tpu_pod.sh create  NAME ZONE ACCELERATOR [RUNTIME]   # e.g. v5litepod-256
 #   launch/tpu_pod.sh install NAME ZONE [GIT_URL_OR_PATH]       # pip install -e .[tpu] on all
 #   launch/tpu_pod.sh run     NAME ZONE -- jaxrl-llm train --config configs/X.yaml [k=v ...]
+#   launch/tpu_pod.sh chain   NAME ZONE configs/X.yaml [k=v ...]      # the config's stages
 #   launch/tpu_pod.sh delete  NAME ZONE
 #
 # `run` executes the same command on every worker at once (gcloud ... ssh --worker=all): JAX's
 # multi-controller SPMD needs exactly that. Inside the command, jaxrl_llm.parallel.
 # distributed.initialize() auto-detects the pod (no coordinator arguments needed), then one
-# mesh spans all chips. Check memory first, from any machine: jaxrl-llm plan --config X.
+# mesh spans all chips. `chain` runs the "# Stages" block of the config's header (checked
+# here first), stage by stage on every worker, except `generate`: sample on the vLLM GPU host
+# (launch/vllm_host.sh CONFIG) before. STAGES=score,train keeps only those stages.
+# Check memory first, from any machine: jaxrl-llm plan --config X.
 # Environment: PROJECT (gcloud project, optional), REPO_DIR (checkout dir on the workers,
 # default ~/jaxrl_llm), VENV (default ~/venv).
 set -euo pipefail
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
   exit "${1:-2}"
 }
 
@@ -65,6 +69,15 @@ case "$action" in
     printf -v command '%q ' "$@"
     # Every worker runs the same command; stdout of all workers is interleaved here.
     on_all_workers ". $venv/bin/activate && cd $repo_dir && $command"
+    ;;
+  chain)
+    [[ $# -ge 1 ]] || usage
+    python3 -m jaxrl_llm.chain --check "$1"
+    mapfile -t lines < <(python3 -m jaxrl_llm.chain --skip generate --only "${STAGES:-}" "$@")
+    for line in "${lines[@]}"; do
+      echo "+ $line (all workers)" >&2
+      on_all_workers ". $venv/bin/activate && cd $repo_dir && $line"
+    done
     ;;
   delete)
     gcloud compute tpus tpu-vm delete "$name" --zone "$zone" "${project_flag[@]}" --quiet

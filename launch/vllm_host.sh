@@ -11,10 +11,10 @@
 # FPA: T=0.7, n=8). vLLM's per-token log-probs are stored as behavior_logprobs
 # (generate.vllm_logprobs_mode=processed_logprobs) next to the manifest's truncation settings.
 #
-# Afterwards (any host, e.g. the TPU pod's first worker):
-#   jaxrl-llm score  --config CONFIG --records OUT     # μ with the trainer's numerics (SPEC §0)
-#   jaxrl-llm curate --config CONFIG --records OUT-scored --out CURATED data.curation=uniform
-#   jaxrl-llm data stats OUT                           # composition, invalid rate, lengths
+# Afterwards, the config's other stages on the training hosts (its "# Stages" header block;
+# `python -m jaxrl_llm.chain --skip generate CONFIG` prints them): score (μ with the trainer's
+# numerics), curate, train, export, evaluate. `jaxrl-llm data stats OUT` shows the records'
+# composition, invalid rate and lengths.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then

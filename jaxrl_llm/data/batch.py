@@ -17,7 +17,7 @@ Two layouts, told apart by the static `records_per_row` k = len(rewards) / B:
   [B·k, T] view of any per-token array.
 
 Preference losses use the rows: `pair_index[p] = (chosen_row, rejected_row)` (unpacked only:
-`config.PAIRED_LOSSES` refuse packing).
+`LossSpec.needs_pairs` in losses/registry.py refuse packing).
 """
 
 from __future__ import annotations

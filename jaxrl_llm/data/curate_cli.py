@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from jaxrl_llm.config_cli import add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--records", help="input record directory (default: data.records)")
+    parser.add_argument("--records", help="input record directory (default: the scored records "
+                        "generate.score_output or <data.records>-scored when they exist, else "
+                        "data.records)")
     parser.add_argument("--out", help="output directory (default: data.curated)")
     parser.add_argument("--overwrite", action="store_true")
     add_config_arguments(parser)
@@ -18,19 +21,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import ConfigError, load_config
     from jaxrl_llm.data.curation import curate_directory
+    from jaxrl_llm.data.records import RecordError
+    from jaxrl_llm.data.stages import has_mu, needs_score, stage_input, stage_output
 
     config = load_config(args.config, args.overrides)
     d = config.data
-    records = args.records or d.records
-    out = args.out or d.curated
-    if records is None or out is None:
-        raise ConfigError("set --records/--out or data.records/data.curated")
+    # data/stages.py: the scored records when `score` wrote them, else data.records.
+    records = stage_input(config, "curate", args.records)
+    out = stage_output(config, "curate", args.out)
+    if needs_score(config) and not has_mu(records):
+        print(f"note: curating {records}, which `jaxrl-llm score` has not scored; "
+              f"loss.name={config.loss.name} will need its output scored before training",
+              file=sys.stderr)
     try:
         comp = curate_directory(
             records, out, strategy=d.curation, num=d.num_records, seed=d.shuffle_seed,
             target=d.target_positive_fraction, power=d.hard_power, transform=d.group_transform,
             pkpo_k=d.pkpo_k, baseline=config.loss.baseline, overwrite=args.overwrite,
         )
+    except RecordError:
+        raise  # bad input data: its message names the file
     except ValueError as err:
         raise ConfigError(f"data.curation={d.curation!r}: {err}") from err
     print(json.dumps({"output": out, **comp.to_dict()}, indent=2))

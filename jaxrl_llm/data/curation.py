@@ -260,6 +260,23 @@ def apply_transform(records: Sequence[Record], kind: str, **kwargs) -> list[Reco
     return [r.replace(reward=float(v), raw_reward=float(o)) for r, v, o in zip(records, new, raw)]
 
 
+def empty_selection(strategy: str, in_dir: str, correct: np.ndarray, group_ids: np.ndarray) -> str:
+    """Why `strategy` selected nothing from `in_dir`, with the counts that decide it."""
+    correct, group_ids = np.asarray(correct, bool), np.asarray(group_ids)
+    n, pos = int(correct.size), int(correct.sum())
+    _, inverse = np.unique(group_ids, return_inverse=True)
+    per_group = np.bincount(inverse, weights=correct) if n else np.zeros(0)
+    size = np.bincount(inverse) if n else np.zeros(0)
+    mixed = int(((per_group > 0) & (per_group < size)).sum())
+    counts = (f"{n} records, {pos} positives (correct), {n - pos} negatives, {mixed} mixed "
+              f"groups (a correct and an incorrect answer to one prompt) of {len(size)}")
+    needs = {"dpo": "pairs need a mixed group", "positives": "it keeps the positives",
+             "drop_uniform_groups": "it keeps the mixed groups"}.get(strategy, "")
+    return (f"curation {strategy!r} selected no records from {in_dir} ({counts})"
+            f"{'; ' + needs if needs else ''}; nothing written. Sample more (generate.n, "
+            "data.num_prompts) or from a stronger policy, or choose another data.curation")
+
+
 def curate_directory(
     in_dir: str, out_dir: str, *, strategy: str, num: int | None = None, seed: int = 0,
     target: float | None = None, power: float = 1.0, transform: str = "none",
@@ -280,6 +297,8 @@ def curate_directory(
     correct = np.asarray([r.correct for r in records], bool)
     groups = np.asarray([r.group_id for r in records])
     chosen = select(strategy, correct, groups, num=num, seed=seed, target=target, power=power)
+    if len(chosen) == 0:  # never write an empty training set
+        raise ValueError(empty_selection(strategy, in_dir, correct, groups))
     selected = apply_transform([records[i] for i in chosen], transform, k=pkpo_k)
     if strategy == "dpo":
         # Rows (2p, 2p+1) are pair p; its own group id lets the loader rebuild `pair_index`.

@@ -1,22 +1,23 @@
 """Grain pipeline: record shards -> fixed-shape `Batch`es, shuffled, sharded, checkpointable.
 
-    record index space [0, N)  (records longer than max_len: error, or dropped and counted)
-      -> padded to M = ceil(N / P) * P slots so every process gets the same count
+    units [0, U): records, DPO pairs or whole prompt groups (data/units.py), one per loss
+    (`LossSpec.needs_pairs` / `needs_groups`); a too-long record: error, or its unit dropped
+      -> padded to M = ceil(U / P) * P slots so every process gets the same count
       -> per epoch e, slot j of process p reads index_shuffle(p + j·P, M−1, seed + e)
          (a stateless Feistel permutation: the processes' slots partition each epoch)
       -> decode + validate (threads) -> collate B rows, padded to the smallest bucket length
       -> background-thread prefetch
 
-Slots ≥ N are padding rows (`record_mask = 0`, all masks 0), so multi-host processes always
+Slots ≥ U are padding units (`record_mask = 0`, all masks 0), so multi-host processes always
 step in lockstep. Everything before the iterator is a grain `MapDataset` indexed by position,
-so `get_state()` is a position and `set_state()` resumes at exactly the next record.
+so `get_state()` is a position and `set_state()` resumes at exactly the next unit.
 
 Packing (`pack=True`, data/batch.py's packed layout): rows are `max_len` long (no buckets)
 and hold up to k = `records_per_row` records, with `batch_size · k` record slots per batch.
 
     epoch e, process p: its shuffled record stream (the same `_slot` order, padding skipped)
       -> `pack_batches`: greedy first-fit over the batch's rows (≤ k records and ≤ max_len
-         tokens per row); a record that fits no row closes the batch and opens the next
+         tokens per row); a unit (record or group) that does not fit whole closes the batch
       -> every process computes every process's plan (deterministic in lengths, seed and
          process count) and pads its own with all-padding batches to the longest, so the
          processes stay in lockstep
@@ -42,17 +43,25 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset, index_shuffle
 
-from jaxrl_llm.config import PAIRED_LOSSES
 from jaxrl_llm.data.batch import Batch, empty_pairs
 from jaxrl_llm.data.records import Record, RecordError
 from jaxrl_llm.data.shards import RecordSource
+from jaxrl_llm.data.units import (
+    BatchShapeError,
+    check_group_batch,
+    group_counts,
+    group_units,
+    pack_batches,
+    record_units,
+    unit_padding,
+)
 
 _SHUFFLE_ROUNDS = 4
 _PLAN_CACHE_EPOCHS = 3  # epoch plans kept in memory (prefetch threads may straddle epochs)
 # Row arrays copied from `record_row` into a batch row (positions/segment ids are derived).
-_TOKEN_KEYS = ("inputs", "targets", "loss_mask", "behavior_logprobs", "mu_logprobs")
-# Losses whose importance ratio π/μ needs μ's per-token log-probs (SPEC §2–3).
-RATIO_LOSSES = ("topr", "opr", "tis", "ppo", "grpo", "dr_grpo")
+_TOKEN_KEYS = ("inputs", "targets", "loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")
+__all__ = ["BatchLoader", "BatchShapeError", "LoaderOptions", "collate", "collate_packed",
+           "loader_from_config", "make_loader", "pack_batches", "packing_options", "record_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +79,7 @@ class LoaderOptions:
     read_threads: int = 2
     prefetch: int = 2  # batches prepared ahead in a background thread (0 = off)
     pairs: bool = False  # DPO data from `curate` strategy "dpo": rows (2i, 2i+1) are one pair
+    groups: bool = False  # whole prompt groups are the shuffle unit (data/units.py)
     pack: bool = False  # several records per max_len row (segment ids); see module docstring
     records_per_row: int = 8  # k, with pack: record slots per row
 
@@ -86,6 +96,8 @@ class LoaderOptions:
             raise ValueError(f"num_epochs must be > 0 or None, got {self.num_epochs}")
         if self.records_per_row <= 0:
             raise ValueError(f"records_per_row must be > 0, got {self.records_per_row}")
+        if self.pairs and self.groups:
+            raise ValueError("pairs=True and groups=True exclude each other (no loss needs both)")
         if self.pack and self.pairs:
             raise ValueError("pack=True cannot hold DPO pairs (pairs=True): pair_index holds row "
                              "numbers (data.pack with loss.name dpo/rpo)")
@@ -98,8 +110,13 @@ class LoaderOptions:
         return tuple(sorted(set(self.buckets))) if self.buckets else (self.max_len,)
 
 
-def record_row(record: Record, *, require_mu: bool = False, where: str = "record") -> dict[str, Any]:
-    """One record as unpadded row arrays of length L−1 (see module docstring)."""
+def record_row(record: Record, *, require_mu: bool = False, require_ref: bool = False,
+               where: str = "record") -> dict[str, Any]:
+    """One record as unpadded row arrays of length L−1 (see module docstring).
+
+    A missing per-token array is placed as zeros; `require_mu` / `require_ref` make a missing
+    `mu_logprobs` / `ref_logprobs` an error instead (a loss reading them must never see 0).
+    """
     p, c = record.prompt_ids.size, record.completion_ids.size
     tokens = np.concatenate([record.prompt_ids, record.completion_ids])
     n = tokens.size - 1
@@ -114,9 +131,13 @@ def record_row(record: Record, *, require_mu: bool = False, where: str = "record
 
     if require_mu and record.mu_logprobs is None and c:
         raise RecordError(f"{where}: no mu_logprobs; run `jaxrl-llm score` first (loss.mu_source=trainer)")
+    if require_ref and record.ref_logprobs is None and c:
+        raise RecordError(f"{where}: no ref_logprobs; run `jaxrl-llm score` (it writes them) or set "
+                          "train.ref_logprobs=model")
     return {
         "inputs": tokens[:-1], "targets": tokens[1:], "loss_mask": loss_mask,
         "behavior_logprobs": place(record.behavior_logprobs), "mu_logprobs": place(record.mu_logprobs),
+        "ref_logprobs": place(record.ref_logprobs),
         "reward": np.float32(record.reward), "correct": record.correct, "group_id": record.group_id,
         "record_mask": np.float32(1.0),
     }
@@ -198,37 +219,6 @@ def _place(out: dict[str, np.ndarray], per_record: dict[str, np.ndarray], row: d
     per_record["group_ids"][slot], per_record["record_mask"][slot] = row["group_id"], row["record_mask"]
 
 
-def pack_batches(lengths: Sequence[int] | np.ndarray, *, rows: int, max_len: int,
-                 records_per_row: int) -> np.ndarray:
-    """Greedy first-fit packing of a record stream into batches, in stream order.
-
-    `lengths[s]` is the row length of the stream's s-th record (each ≤ `max_len`). Record s
-    goes to the first row of the open batch with fewer than `records_per_row` records and at
-    least `lengths[s]` free tokens; when no row fits, the batch is closed and s opens the next
-    one. Returns `[n_batches, rows, records_per_row]` stream positions in segment order
-    (−1 = empty slot). Pure numpy/python, deterministic.
-    """
-    k = records_per_row
-    batches: list[np.ndarray] = []
-    current = np.full((rows, k), -1, np.int64)
-    free, count = [max_len] * rows, [0] * rows
-    for s, n in enumerate(int(x) for x in lengths):
-        if n > max_len:
-            raise ValueError(f"pack_batches: record {s} has {n} tokens > max_len={max_len}")
-        r = next((r for r in range(rows) if count[r] < k and free[r] >= n), None)
-        if r is None:
-            batches.append(current)
-            current = np.full((rows, k), -1, np.int64)
-            free, count = [max_len] * rows, [0] * rows
-            r = 0
-        current[r, count[r]] = s
-        count[r] += 1
-        free[r] -= n
-    if any(count):
-        batches.append(current)
-    return np.stack(batches) if batches else np.zeros((0, rows, k), np.int64)
-
-
 class BatchLoader:
     """Iterator of `Batch`es with exact, checkpointable position.
 
@@ -245,10 +235,16 @@ class BatchLoader:
         self.options = o = options
         self.source = RecordSource(directory)
         self._row_len = row_len = self.source.lengths().sum(axis=1) - 1
-        k = 2 if o.pairs else 1
-        if len(self.source) % k:
+        if o.pairs and len(self.source) % 2:
             raise RecordError(f"{directory}: pairs=True needs an even number of records, got {len(self.source)}")
-        units = np.arange(len(self.source)).reshape(-1, k)  # a unit is a record, or a DPO pair
+        self.group_sizes: dict[int, int] | None = None  # groups=True: records per group id
+        if o.groups:
+            group_ids = self.source.group_ids()
+            ids, sizes = np.unique(group_ids, return_counts=True)
+            self.group_sizes = dict(zip(ids.tolist(), sizes.tolist()))
+            units = group_units(group_ids)
+        else:  # a unit is a record, or a DPO pair
+            units = record_units(len(self.source), 2 if o.pairs else 1)
         too_long = np.flatnonzero(row_len > o.max_len)
         if too_long.size and o.too_long == "error":
             i = int(too_long[0])
@@ -256,16 +252,28 @@ class BatchLoader:
                 f"{self.source.where(i)}: record needs a row of {int(row_len[i])} tokens > max_len "
                 f"{o.max_len} ({too_long.size} such records; set too_long='drop' to skip them)"
             )
-        fits = (row_len[units] <= o.max_len).all(axis=1)
-        self.dropped_too_long = int((~fits).sum() * k)
+        real = units >= 0
+        fits = ((row_len[np.maximum(units, 0)] <= o.max_len) | ~real).all(axis=1)
+        # A too-long record drops its whole unit (its pair or group).
+        self.dropped_too_long = int(real[~fits].sum())
         if self.dropped_too_long:
             logging.getLogger(__name__).warning(
                 "%s: dropping %d of %d records longer than max_len=%d (data.too_long=drop)",
                 directory, self.dropped_too_long, len(self.source), o.max_len)
         self._units = units[fits]
-        self.num_records = int(self._units.size)
+        self.num_records = int((self._units >= 0).sum())
         if self.num_records == 0:
             raise RecordError(f"{directory}: no records to load (dropped {self.dropped_too_long} too long)")
+        if o.groups and o.pack:  # every group must fit one packed batch (fail now, not mid-epoch)
+            for unit in self._units:
+                pack_batches(row_len[unit[unit >= 0]], rows=o.batch_size, max_len=o.max_len,
+                             records_per_row=o.records_per_row, unit_sizes=[int((unit >= 0).sum())])
+        if o.groups and not o.pack:
+            check_group_batch(o.batch_size, self._units)
+            if unit_padding(self._units) > 0:
+                logging.getLogger(__name__).warning(
+                    "%s: groups differ in size; %.0f%% of the rows of whole-group batches are "
+                    "padding", directory, 100 * unit_padding(self._units))
         n_units, p = len(self._units), o.process_count
         self.slots_per_epoch = math.ceil(n_units / p) * p
         self.per_process = self.slots_per_epoch // p  # units (records or pairs) per process and epoch
@@ -282,7 +290,7 @@ class BatchLoader:
             it = ds.to_iter_dataset(grain.ReadOptions(num_threads=o.read_threads,
                                                       prefetch_buffer_size=2 * o.read_threads))
         else:
-            units_per_batch = o.batch_size // k
+            units_per_batch = o.batch_size // self._units.shape[1]
             self.batches_per_epoch = math.ceil(self.per_process / units_per_batch)
             ds = grain.MapDataset.range(self.per_process).repeat(o.num_epochs)
             ds = ds.map_with_index(lambda i, _: self._slot(i)).map(self._load)
@@ -320,8 +328,8 @@ class BatchLoader:
         k = self._units.shape[1]
         if slot < 0:
             return [_padding_row() for _ in range(k)]
-        rows = [self._record_row(index) for index in self._units[slot].tolist()]
-        if k == 2:
+        rows = [self._record_row(i) if i >= 0 else _padding_row() for i in self._units[slot].tolist()]
+        if self.options.pairs:
             a, b = (self.source.where(i) for i in self._units[slot].tolist())
             if not (rows[0]["correct"] and not rows[1]["correct"] and rows[0]["group_id"] == rows[1]["group_id"]):
                 raise RecordError(f"{a} / {b}: not a (correct, incorrect) pair of one group (pairs=True "
@@ -330,17 +338,19 @@ class BatchLoader:
 
     # -- packing ---------------------------------------------------------------------------
 
-    def _stream(self, epoch: int, process: int) -> np.ndarray:
-        """Record indices `process` reads in `epoch`, in order, padding slots skipped."""
+    def _stream(self, epoch: int, process: int) -> tuple[np.ndarray, np.ndarray]:
+        """(record indices `process` reads in `epoch` in order, padding skipped; the number
+        of records of each unit, which packing keeps together)."""
         slots = self._epoch_slots(epoch, process)
-        return self._units[slots[slots >= 0], 0]
+        units = self._units[slots[slots >= 0]]
+        return units[units >= 0], (units >= 0).sum(axis=1)
 
     def _process_plan(self, epoch: int, process: int) -> np.ndarray:
         """`process`'s own packing of `epoch`: [n, batch_size, k] record indices (−1 = empty)."""
         o = self.options
-        stream = self._stream(epoch, process)
+        stream, unit_sizes = self._stream(epoch, process)
         pos = pack_batches(self._row_len[stream], rows=o.batch_size, max_len=o.max_len,
-                           records_per_row=o.records_per_row)
+                           records_per_row=o.records_per_row, unit_sizes=unit_sizes)
         return np.where(pos >= 0, stream[np.maximum(pos, 0)], -1)
 
     def _epoch_plan(self, epoch: int) -> np.ndarray:
@@ -409,6 +419,14 @@ class BatchLoader:
     def checkpoint_restore(self) -> Any:
         return grain.checkpoint.CheckpointRestore(self._iterator)
 
+    def group_counts(self, batch: Batch) -> dict[str, float]:
+        """`data/whole_groups` and `data/partial_groups` of `batch` (groups=True): groups
+        holding all of their records of the data set, and split ones (should be 0)."""
+        if self.group_sizes is None:
+            return {}
+        whole, partial = group_counts(batch.group_ids, batch.record_mask, self.group_sizes)
+        return {"data/whole_groups": float(whole), "data/partial_groups": float(partial)}
+
     def slot_indices(self, epoch: int = 0) -> np.ndarray:
         """Record indices this process reads in `epoch`, in order (−1 = padding row; packed:
         in record-slot order of the epoch's batches, −1 = empty slot)."""
@@ -428,18 +446,22 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
                        process_count: int | None = None, num_epochs: int | None = None) -> BatchLoader:
     """The trainer's loader for an `ExperimentConfig`: per-process rows of the global batch.
 
-    `directory` defaults to `data.curated` then `data.records`; process index/count default to
+    `directory` defaults to what `train` reads (`data.stages.stage_input`: data.curated when
+    set, else the scored records, else data.records); process index/count default to
     `jax.process_index()/process_count()`, and each process loads `train.batch_size / count`
-    rows (the local part of the global batch). Preference losses load DPO pairs.
+    rows (the local part of the global batch). What the loss needs comes from its `LossSpec`:
+    μ (`needs_mu`, with loss.mu_source=trainer), DPO pairs (`needs_pairs`), whole groups
+    (`needs_groups`).
     """
     import jax
 
     from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.data.stages import stage_input
+    from jaxrl_llm.losses.registry import loss_spec
 
     d, t = config.data, config.train
-    directory = directory or d.curated or d.records
-    if directory is None:
-        raise ConfigError("set data.curated or data.records (a record directory)")
+    spec = loss_spec(config.loss.name)
+    directory = stage_input(config, "train", directory)
     pidx = jax.process_index() if process_index is None else process_index
     pcount = jax.process_count() if process_count is None else process_count
     if t.batch_size % pcount:
@@ -447,13 +469,21 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
     buckets = tuple(d.buckets) if d.buckets else ()
     if buckets and max(buckets) != t.max_seq_len:
         raise ConfigError(f"data.buckets={list(buckets)} must end at train.max_seq_len={t.max_seq_len}")
-    return BatchLoader(directory, LoaderOptions(
-        batch_size=t.batch_size // pcount, max_len=t.max_seq_len, buckets=buckets, seed=d.shuffle_seed,
-        num_epochs=num_epochs if num_epochs is not None else d.num_epochs, too_long=d.too_long,
-        require_mu=config.loss.mu_source == "trainer" and config.loss.name in RATIO_LOSSES, process_index=pidx, process_count=pcount,
-        read_threads=d.read_threads, prefetch=d.prefetch, pairs=config.loss.name in PAIRED_LOSSES,
-        **packing_options(config),
-    ))
+    try:
+        return BatchLoader(directory, LoaderOptions(
+            batch_size=t.batch_size // pcount, max_len=t.max_seq_len, buckets=buckets,
+            seed=d.shuffle_seed, num_epochs=num_epochs if num_epochs is not None else d.num_epochs,
+            too_long=d.too_long, require_mu=config.loss.mu_source == "trainer" and spec.needs_mu,
+            process_index=pidx, process_count=pcount, read_threads=d.read_threads,
+            prefetch=d.prefetch, pairs=spec.needs_pairs, groups=spec.needs_groups,
+            **packing_options(config),
+        ))
+    except BatchShapeError as err:
+        per = f" ({t.batch_size // pcount} rows on each of {pcount} processes)" if pcount > 1 else ""
+        fix = ("a larger train.batch_size, data.records_per_row or train.max_seq_len" if d.pack
+               else "train.batch_size to a multiple of the group size (or curate equal-size groups)")
+        raise ConfigError(f"train.batch_size={t.batch_size}{per}: loss.name={config.loss.name} "
+                          f"needs whole groups in a batch, but {err}; set {fix}") from err
 
 
 def packing_options(config: Any) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 A record holds token ids (not text) so that training never re-tokenises, the sampler's
 per-token log-probs (processed: after temperature/top-k/top-p, and raw when the backend gives
 them), the task's reward and flags, and — after the score pass — μ's per-token log-probs
-computed with the trainer's numerics. Serialisation is msgpack with numpy arrays stored as
-little-endian bytes of a fixed dtype per field: safe to read from untrusted files (no Python object deserialisation).
+computed with the trainer's numerics at the sampling temperature and the reference policy's
+at temperature 1 (`ref_logprobs`, the same forward pass). Serialisation is msgpack with numpy
+arrays stored as little-endian bytes of a fixed dtype per field: safe to read from untrusted
+files (no Python object deserialisation).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+# Version 2 added `ref_logprobs`; version-1 records (no such field) still load, with None there.
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _INT_FIELDS = ("prompt_ids", "completion_ids")
-_FLOAT_FIELDS = ("behavior_logprobs", "raw_logprobs", "mu_logprobs")
+_FLOAT_FIELDS = ("behavior_logprobs", "raw_logprobs", "mu_logprobs", "ref_logprobs")
 _INT_DTYPE = np.dtype("<i4")
 _FLOAT_DTYPE = np.dtype("<f4")
 
@@ -31,9 +35,9 @@ class RecordError(ValueError):
 class Record:
     """One completion of one prompt.
 
-    Per-token arrays (`behavior_logprobs`, `raw_logprobs`, `mu_logprobs`) are aligned with
-    `completion_ids`: entry t is log-prob of `completion_ids[t]` given the prompt and
-    `completion_ids[:t]`. `None` means "not available" (e.g. μ before the score pass).
+    Per-token arrays (`behavior_logprobs`, `raw_logprobs`, `mu_logprobs`, `ref_logprobs`) are
+    aligned with `completion_ids`: entry t is log-prob of `completion_ids[t]` given the prompt
+    and `completion_ids[:t]`. `None` means "not available" (e.g. μ before the score pass).
     """
 
     prompt_ids: np.ndarray  # [P] int32
@@ -45,7 +49,8 @@ class Record:
     task: str = ""
     behavior_logprobs: np.ndarray | None = None  # [C] float32, sampler, after T/top-k/top-p
     raw_logprobs: np.ndarray | None = None  # [C] float32, sampler, before processing
-    mu_logprobs: np.ndarray | None = None  # [C] float32, trainer re-score (SPEC §0)
+    mu_logprobs: np.ndarray | None = None  # [C] float32, trainer re-score at the sampling T
+    ref_logprobs: np.ndarray | None = None  # [C] float32, initial policy = π_ref at T = 1
     answer: str | None = None  # extracted answer (None = none found)
     raw_reward: float | None = None  # reward before a group transform (RLOO, GRPO, PKPO)
     prompt_text: str = ""
@@ -94,8 +99,9 @@ class Record:
         if not isinstance(payload, dict):
             raise RecordError(f"{where}: expected a mapping, got {type(payload).__name__}")
         version = payload.pop("v", None)
-        if version != SCHEMA_VERSION:
-            raise RecordError(f"{where}: schema version {version!r}, expected {SCHEMA_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise RecordError(f"{where}: schema version {version!r}, expected one of "
+                              f"{list(READABLE_VERSIONS)} (written by a newer jaxrl_llm?)")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(payload) - names
         if unknown:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 from array_record.python import array_record_module
 from etils import epath
@@ -238,9 +239,17 @@ class RecordSource:
                 raise RecordError(f"{self.directory}: manifest lists missing shard {p}")
         self._counts = np.asarray([s["count"] for s in self.manifest.shards], np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._counts)])
-        self._source = grain.sources.ArrayRecordDataSource(self._paths) if self._paths else None
+        try:
+            self._source = grain.sources.ArrayRecordDataSource(self._paths) if self._paths else None
+        except RuntimeError as err:  # array_record's error names no file (often has no text)
+            for p, count in zip(self._paths, self._counts.tolist()):
+                check_shard(p, count)  # raises, naming the bad shard
+            raise RecordError(f"{self.directory}: cannot open its shards ({err or 'no detail'}); "
+                              f"{_REWRITE}") from err
         n = len(self._source) if self._source is not None else 0
         if n != self.manifest.num_records or n != int(self._counts.sum()):
+            for p, count in zip(self._paths, self._counts.tolist()):
+                check_shard(p, count)  # names the shard whose count differs, if one does
             raise RecordError(
                 f"{self.directory}: shards hold {n} records but the manifest says "
                 f"{self.manifest.num_records}"
@@ -262,15 +271,38 @@ class RecordSource:
             validate_record(record, where=where, vocab_size=self.manifest.vocab_size)
         return record
 
+    def _read(self, indices: Sequence[int]) -> list[bytes]:
+        """Raw bytes of `indices`; a corrupt shard names the shard file (array_record raises a
+        RuntimeError, sometimes without text)."""
+        try:
+            return self._source.__getitems__(list(indices))
+        except RuntimeError as err:
+            shards = sorted({self.where(i).rsplit("[", 1)[0] for i in indices})
+            raise RecordError(f"cannot read records from {', '.join(shards)}: the shard is "
+                              f"corrupt or truncated ({err or 'no detail'}); {_REWRITE}") from err
+
     def __getitem__(self, index: int) -> Record:
         index = int(index)
         if not 0 <= index < len(self):
             raise IndexError(f"record index {index} out of range [0, {len(self)})")
-        return self._decode(index, self._source[index])
+        return self._decode(index, self._read([index])[0])
 
     def __getitems__(self, indices: Sequence[int]) -> list[Record]:
-        datas = self._source.__getitems__([int(i) for i in indices])
-        return [self._decode(int(i), d) for i, d in zip(indices, datas)]
+        indices = [int(i) for i in indices]
+        return [self._decode(i, d) for i, d in zip(indices, self._read(indices))]
+
+    def group_ids(self, chunk: int = 4096) -> np.ndarray:
+        """int64 [N]: every record's `group_id`, in order (msgpack maps decoded, no arrays
+        built or validated: cheap enough to scan a whole dataset)."""
+        out = np.empty(len(self), np.int64)
+        for start in range(0, len(self), chunk):
+            indices = list(range(start, min(start + chunk, len(self))))
+            for i, data in zip(indices, self._read(indices)):
+                try:
+                    out[i] = int(msgpack.unpackb(data, raw=False)["group_id"])
+                except (msgpack.UnpackException, ValueError, TypeError, KeyError) as err:
+                    raise RecordError(f"{self.where(i)}: no readable group_id ({err})") from err
+        return out
 
     def __iter__(self) -> Iterator[Record]:
         for i in range(len(self)):
@@ -281,11 +313,42 @@ class RecordSource:
         parts = []
         for shard in self.manifest.shards:
             path = self.directory / shard["path"].replace(".array_record", ".lengths.npy")
-            arr = np.load(io.BytesIO(path.read_bytes()))
+            try:
+                arr = np.load(io.BytesIO(path.read_bytes()))
+            except (ValueError, EOFError, OSError) as err:
+                raise RecordError(f"{path}: unreadable lengths file ({err}); {_REWRITE}") from err
             if arr.shape != (shard["count"], 2):
                 raise RecordError(f"{path}: shape {arr.shape}, expected ({shard['count']}, 2)")
             parts.append(arr)
         return np.concatenate(parts) if parts else np.zeros((0, 2), np.int32)
+
+
+# What to do about a shard that cannot be read.
+_REWRITE = ("re-run the stage that wrote this directory (generate, score or curate) to rewrite it, "
+            "or copy it again if it was transferred")
+
+
+def check_shard(path: str, count: int) -> None:
+    """Open shard `path` and check it holds the manifest's `count` records; a truncated or
+    corrupt shard is a `RecordError` naming the file (array_record's own error has no text)."""
+    reader = None
+    try:
+        reader = array_record_module.ArrayRecordReader(path)
+        held = int(reader.num_records())
+        reader.close()
+        reader = None
+    except RuntimeError as err:
+        held = None
+        detail = str(err) or "unreadable footer"
+    finally:
+        if reader is not None:
+            try:
+                reader.close()
+            except RuntimeError:
+                pass
+    if held is None or held != count:
+        what = detail if held is None else f"holds {held} records, its manifest says {count}"
+        raise RecordError(f"{path}: shard is truncated or corrupt ({what}); {_REWRITE}")
 
 
 def read_records(directory: str | epath.PathLike) -> list[Record]:

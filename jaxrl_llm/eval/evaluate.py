@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from jaxrl_llm.eval.metrics import EvalSamples, evaluation_summary
+from jaxrl_llm.paths import PathLike, as_path, copy_tree, is_remote
 
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "samples.jsonl"
@@ -136,10 +138,10 @@ def evaluate_model(
     return summary, graded
 
 
-def write_eval(out_dir: str | Path, summary: dict[str, Any], graded: Graded | None = None,
-               problems: Sequence[Any] | None = None) -> Path:
+def write_eval(out_dir: PathLike, summary: dict[str, Any], graded: Graded | None = None,
+               problems: Sequence[Any] | None = None) -> epath.Path:
     """`eval.json` (strict JSON) and, with the graded samples, `samples.jsonl`."""
-    out = Path(out_dir)
+    out = as_path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / EVAL_FILE
     tmp = path.with_suffix(".json.tmp")
@@ -163,14 +165,19 @@ def load_model_and_tokenizer(model_path: str | None, config: Any,
 
         model, tok = model_and_tokenizer(config)
         return model, tok, {"model": config.model.path or config.model.source}
-    path = Path(model_path)
+    path = as_path(model_path)  # a checkpoint may be remote (Orbax reads gs://)
     if (path / "config.json").is_file():
+        name = str(path)
+        if is_remote(path):  # an HF directory on gs://: the loaders read local files
+            path = copy_tree(path, tempfile.mkdtemp(prefix="jaxrl-model-"))
         from transformers import AutoTokenizer
 
-        from jaxrl_llm.models import hf
+        from jaxrl_llm.models.loading import load_model
 
         tok = AutoTokenizer.from_pretrained(str(tokenizer or path))
-        return hf.load_pretrained(path), tok, {"model": str(path)}
+        # The config's numerics (dtypes, remat, scan) apply to an exported directory too.
+        source = config.model.model_copy(update={"source": "hf", "path": str(path)})
+        return load_model(source, seed=config.seed).model, tok, {"model": name}
     from jaxrl_llm.export import tokenizer_for
     from jaxrl_llm.train.checkpoint import restore_model
 
@@ -227,8 +234,8 @@ def run(args: argparse.Namespace) -> int:
         trials=e.bootstrap_trials, verifier=verifier,
         verifications=args.verifications or e.verifications, chat_template=config.data.chat_template,
     )
-    summary.update(info, split=e.split, label=args.label or Path(info["model"]).name)
-    out = write_eval(Path(args.out or Path(config.run_dir) / "eval"), summary, graded, problems)
+    summary.update(info, split=e.split, label=args.label or as_path(info["model"]).name)
+    out = write_eval(args.out or as_path(config.run_dir) / "eval", summary, graded, problems)
     p1 = summary["pass_at_1"]
     print(f"{summary['label']}: pass@1 {p1['mean']:.3f} ± {p1['se']:.3f} (SE), "  # type: ignore[index]
           f"invalid {summary['proportions']['invalid']:.3f}; wrote {out}")  # type: ignore[index]

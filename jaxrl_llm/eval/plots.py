@@ -6,24 +6,30 @@ PNG, returning its path, or None when the run has nothing to draw for it.
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import matplotlib
+from etils import epath
 
 matplotlib.use("Agg")  # headless: no display on training hosts
 import matplotlib.pyplot as plt
+
+from jaxrl_llm.paths import PathLike, as_path
 
 FIGSIZE = (6.4, 4.0)
 DPI = 100
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _save(fig: plt.Figure, path: PathLike) -> epath.Path:
+    path = as_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    png = io.BytesIO()  # through bytes: the path may be remote (gs://), which matplotlib can't open
+    fig.savefig(png, format="png", dpi=DPI)
     plt.close(fig)
+    path.write_bytes(png.getvalue())
     return path
 
 
@@ -43,12 +49,12 @@ def matching_keys(rows: Sequence[Mapping[str, object]], patterns: Sequence[str])
 def series_plot(
     rows: Sequence[Mapping[str, object]],
     patterns: Sequence[str],
-    path: Path,
+    path: epath.Path,
     *,
     title: str,
     ylabel: str,
     se_suffix: str = "_se",
-) -> Path | None:
+) -> epath.Path | None:
     """Each metric matching `patterns` against `step`; `<key>_se` columns draw 2-SE bands."""
     keys = [k for k in matching_keys(rows, patterns) if not k.endswith(se_suffix)]
     if not keys:
@@ -74,7 +80,7 @@ def series_plot(
     return _save(fig, path)
 
 
-def pass_at_k_plot(evals: Mapping[str, Mapping[str, object]], path: Path) -> Path | None:
+def pass_at_k_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path) -> epath.Path | None:
     """pass@k against k (log-x) for each evaluation, with maj@K points and 2-SE error bars."""
     usable = {label: e for label, e in evals.items() if e.get("pass_at_k")}
     if not usable:
@@ -102,7 +108,7 @@ def pass_at_k_plot(evals: Mapping[str, Mapping[str, object]], path: Path) -> Pat
     return _save(fig, path)
 
 
-def cardinality_plot(evals: Mapping[str, Mapping[str, object]], path: Path) -> Path | None:
+def cardinality_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path) -> epath.Path | None:
     """Questions per number of correct samples (000 Fig. 4), one bar group per evaluation."""
     usable = {label: e["cardinality"] for label, e in evals.items() if e.get("cardinality")}
     if not usable:
@@ -119,7 +125,7 @@ def cardinality_plot(evals: Mapping[str, Mapping[str, object]], path: Path) -> P
     return _save(fig, path)
 
 
-def proportions_plot(evals: Mapping[str, Mapping[str, object]], path: Path) -> Path | None:
+def proportions_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path) -> epath.Path | None:
     """Stacked correct / incorrect / invalid fractions per evaluation (000 Fig. 3)."""
     usable = {label: e["proportions"] for label, e in evals.items() if e.get("proportions")}
     if not usable:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from pathlib import Path
+
+from etils import epath
+
+from jaxrl_llm.paths import PathLike, as_path, find_files
 
 # (file stem, title, y label, metric-name regexes)
 SERIES = (
@@ -30,7 +33,7 @@ SERIES = (
 )
 
 
-def read_jsonl(path: Path) -> list[dict[str, object]]:
+def read_jsonl(path: epath.Path) -> list[dict[str, object]]:
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -45,10 +48,11 @@ def read_jsonl(path: Path) -> list[dict[str, object]]:
     return rows
 
 
-def collect_run(run_dir: Path) -> tuple[list[dict[str, object]], dict[str, dict[str, object]]]:
+def collect_run(run_dir: PathLike) -> tuple[list[dict[str, object]], dict[str, dict[str, object]]]:
     """(metric rows sorted by step, {label: eval dict}) of everything under `run_dir`."""
+    run_dir = as_path(run_dir)
     rows: list[dict[str, object]] = []
-    paths = sorted(run_dir.rglob("metrics.jsonl"))
+    paths = find_files(run_dir, "metrics.jsonl")
     for path in paths:
         file_rows = read_jsonl(path)
         if len(paths) > 1 and path.parent != run_dir:
@@ -58,7 +62,7 @@ def collect_run(run_dir: Path) -> tuple[list[dict[str, object]], dict[str, dict[
                           for k, v in row.items()} for row in file_rows]
         rows.extend(file_rows)
     evals: dict[str, dict[str, object]] = {}
-    for path in sorted(run_dir.rglob("eval.json")):
+    for path in find_files(run_dir, "eval.json"):
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
@@ -98,18 +102,18 @@ def eval_table(evals: Mapping[str, Mapping[str, object]]) -> list[str]:
     return lines
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def write_report(run_dir: PathLike, out_dir: PathLike | None = None) -> epath.Path:
     """Render every plot the run has data for and a Markdown summary; returns the .md path."""
     from jaxrl_llm.eval import plots  # matplotlib loads only when a report is drawn
 
-    run = Path(run_dir)
+    run = as_path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"run directory {run} does not exist")
-    out = Path(out_dir) if out_dir is not None else run / "report"
+    out = as_path(out_dir) if out_dir is not None else run / "report"
     rows, evals = collect_run(run)
     if not rows and not evals:
         raise FileNotFoundError(f"{run} holds no metrics.jsonl or eval.json to report on")
-    figures: list[tuple[str, Path | None]] = []
+    figures: list[tuple[str, epath.Path | None]] = []
     for stem, title, ylabel, patterns in SERIES:
         figures.append((title, plots.series_plot(rows, patterns, out / f"{stem}.png",
                                                  title=title, ylabel=ylabel)))

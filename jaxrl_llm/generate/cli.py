@@ -68,4 +68,11 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"wrote {manifest.num_records} records ({manifest.num_correct} correct, "
           f"{manifest.num_invalid} invalid) to {out}")
+    if manifest.extra.get("sampling_truncated"):
+        import sys
+
+        print(f"note: sampled with generate.top_k={g.top_k} / generate.top_p={g.top_p}: the "
+              "behaviour log-probs are of the truncated distribution (manifest "
+              "extra.sampling_truncated); run `jaxrl-llm score` and train with "
+              "loss.mu_source=trainer", file=sys.stderr)
     return 0

@@ -15,7 +15,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrl_llm.data.shards import Manifest, SamplingInfo, ShardWriter
-from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
+from jaxrl_llm.generate.completions import (
+    Completion,
+    build_records,
+    encode_prompts,
+    format_prompts,
+    sampler_logprob_info,
+)
 from jaxrl_llm.tasks.base import Problem, Task
 
 
@@ -76,6 +82,7 @@ def generate_records(
         task=task.name, reward_fn=task.reward_fn,
         sampling=SamplingInfo(backend="jax", temperature=temperature, top_p=top_p, top_k=top_k,
                               max_new_tokens=max_new_tokens, n=n, seed=seed),
+        extra=sampler_logprob_info(backend="jax", temperature=temperature, top_k=top_k, top_p=top_p),
     ) as writer:
         for c, start in enumerate(tqdm(range(0, len(problems), chunk), desc=f"generate {task.name}",
                                        unit="chunk", disable=not progress)):

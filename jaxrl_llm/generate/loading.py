@@ -30,6 +30,8 @@ def char_tokenizer() -> Any:
 
 
 def tokenizer_from_config(config: ExperimentConfig) -> Any:
+    """`data.tokenizer` when set; else the source's own: the char tokenizer (random), the
+    GGUF file's (gguf, smollm2; read without its weights) or `model.path`'s files (hf)."""
     name = config.data.tokenizer
     m = config.model
     if name == "char" or (name is None and m.source == "random"):
@@ -38,7 +40,9 @@ def tokenizer_from_config(config: ExperimentConfig) -> Any:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the char tokenizer ({len(tok)})")
         return tok
     if name is None and m.source in ("gguf", "smollm2"):
-        return model_and_tokenizer(config)[1]
+        from jaxrl_llm.models.loading import source_tokenizer
+
+        return source_tokenizer(m)
     from transformers import AutoTokenizer
 
     path = name or m.path
@@ -47,19 +51,11 @@ def tokenizer_from_config(config: ExperimentConfig) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def model_and_tokenizer(config: ExperimentConfig) -> tuple[Any, Any]:
-    """(NNX decoder, tokenizer) for `config.model`."""
-    m = config.model
-    if m.source in ("gguf", "smollm2"):
-        from jaxrl_llm.models.gguf import load_gguf
+def model_and_tokenizer(config: ExperimentConfig, *, mesh: Any = None) -> tuple[Any, Any]:
+    """(NNX decoder, tokenizer) for `config.model`, loaded by `models.loading.load_model`
+    (with `mesh`: every parameter straight into its sharding)."""
+    from jaxrl_llm.models.loading import load_model
 
-        path = m.path
-        if m.source == "smollm2" and path is None:
-            from jaxrl_llm.models.packaged import smollm2_gguf_path
-
-            path = str(smollm2_gguf_path())
-        loaded = load_gguf(path)
-        return loaded.model, loaded.tokenizer
-    from jaxrl_llm.train.state import build_model
-
-    return build_model(config), tokenizer_from_config(config)
+    model, own = load_model(config.model, seed=config.seed, mesh=mesh)
+    tokenizer = own if own is not None and config.data.tokenizer is None else None
+    return model, tokenizer if tokenizer is not None else tokenizer_from_config(config)

@@ -1,9 +1,11 @@
-"""The score pass (SPEC §0): μ per-token log-probs of every record with the trainer's numerics.
+"""The score pass (SPEC §0): μ and π_ref per-token log-probs of every record, trainer numerics.
 
-One forward pass of the initial policy over the records, computing
-`jaxrl_llm.losses.logprobs.token_logprobs` with the sampling temperature (`logits / T`) and
-the model's final-logit softcap — exactly what the train step computes at step 0, so
-π/μ = 1 there. Output mirrors the input's shards; each output shard is written whole and
+One forward pass of the initial policy over the records gives, from the same hidden states,
+`jaxrl_llm.losses.logprobs.token_logprobs` at the sampling temperature (`logits / T`, with
+the model's final-logit softcap) — exactly what the train step computes at step 0, so
+π/μ = 1 there — and at temperature 1: the reference log-probs `ref_logprobs` that the
+KL/preference losses read with `train.ref_logprobs: batch` (the policy being scored is the
+reference). Output mirrors the input's shards; each output shard is written whole and
 renamed into place, so an interrupted run resumes by skipping finished shards.
 
 Sharded like training: the parameters are placed on the ("data", "fsdp", "tensor") mesh by
@@ -18,12 +20,11 @@ own rows; all processes make the same sequence of jitted calls (same count, same
 padding with all-padding batches, and write their own output shards. After a barrier process
 0 writes the manifest.
 
-When the sampler's log-probs are present the sampler-vs-trainer mismatch is reported: mean
-|Δ log-prob| per token, a KL(sampler ‖ trainer) estimate (k3 per token), and the effective
-sample size of sequence-level weights exp(Σ(log μ − log q)) as a fraction of N — over all
-processes' records, identical on every process.
+When the sampler's log-probs are present the sampler-vs-trainer mismatch is reported
+(`generate.mismatch`: per-token |Δ log p| and |Δp|, k3 KL, χ², ESS, Pearson correlation of
+the log-probs) over all processes' records, identical on every process, and written to the
+output manifest; `max_mismatch` flags or drops sequences beyond a bound.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -42,62 +43,19 @@ from jaxrl_llm.config import ConfigError, MeshConfig
 from jaxrl_llm.data.loader import collate, record_row
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.shards import Manifest, RecordSource, write_manifest, write_shard
+from jaxrl_llm.generate.completions import effective_temperature, manifest_sampler_info
+from jaxrl_llm.generate.mismatch import NUM_MISMATCH_STATS, Mismatch, compared_logprobs
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards, make_mesh
 
 BATCH_SIZE_KEY = "generate.score_batch_size"
+# π_ref's log-probs are the policy's own distribution: DPO (arXiv:2305.18290), KTO
+# (arXiv:2402.01306), A*-PO (arXiv:2505.20686) and FPA's KL term compare log π and log π_ref
+# at temperature 1, whatever temperature sampled the data.
+REF_TEMPERATURE = 1.0
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
-
-
-# -- mismatch metrics ----------------------------------------------------------------------
-
-# Per-process sufficient statistics: tokens, Σ|d|, Σk3, sequences, max log-weight, Σw, Σw²
-# (w = exp(log-weight − max)); combining them over processes gives the global metrics.
-NUM_MISMATCH_STATS = 7
-
-
-@dataclasses.dataclass
-class Mismatch:
-    """Running sampler-vs-trainer statistics (SPEC §0)."""
-
-    tokens: int = 0
-    abs_diff: float = 0.0
-    k3: float = 0.0
-    seq_log_weights: list[float] = dataclasses.field(default_factory=list)
-
-    def add(self, mu: np.ndarray, sampler: np.ndarray) -> None:
-        d = mu.astype(np.float64) - sampler.astype(np.float64)  # log(p/q), p = trainer, q = sampler
-        self.tokens += d.size
-        self.abs_diff += float(np.abs(d).sum())
-        self.k3 += float((np.expm1(d) - d).sum())  # E_q[(r − 1) − log r] = KL(q ‖ p)
-        self.seq_log_weights.append(float(d.sum()))
-
-    def stats(self) -> np.ndarray:
-        """float64 [NUM_MISMATCH_STATS]: this process's sufficient statistics."""
-        lw = np.asarray(self.seq_log_weights, np.float64)
-        top = float(lw.max()) if lw.size else -np.inf
-        w = np.exp(lw - top) if lw.size else lw
-        return np.asarray([self.tokens, self.abs_diff, self.k3, lw.size, top, w.sum(), (w**2).sum()],
-                          np.float64)
-
-    @staticmethod
-    def combine(stats: np.ndarray) -> dict[str, float]:
-        """The metrics of the union of the records behind each row of `stats` [P, 7]."""
-        tokens, abs_diff, k3, count, top, s1, s2 = np.asarray(stats, np.float64).T
-        if not tokens.sum():
-            return {}
-        has = count > 0
-        scale = np.exp(top[has] - top[has].max())  # each process's weights onto the global max
-        w_sum, w2_sum = float((s1[has] * scale).sum()), float((s2[has] * scale**2).sum())
-        n = float(count.sum())
-        return {"mismatch/mean_abs_logprob_diff": float(abs_diff.sum() / tokens.sum()),
-                "mismatch/kl_sampler_trainer": float(k3.sum() / tokens.sum()),
-                "mismatch/ess_fraction": w_sum**2 / w2_sum / n, "mismatch/num_sequences": n}
-
-    def metrics(self) -> dict[str, float]:
-        return self.combine(self.stats()[None])
 
 
 # -- the sharded scorer --------------------------------------------------------------------
@@ -147,12 +105,16 @@ def process_rows(mesh: Mesh, batch_size: int) -> int:
 
 
 class Scorer:
-    """`(inputs, targets, positions, segment_ids) -> logp` of this process's rows (SPEC §0).
+    """`(inputs, targets, positions, segment_ids) -> (mu, ref)` log-probs of this process's rows.
 
-    The parameters live on `mesh` with the trainer's sharding rules (`self.params`); the
-    non-trainable variables are replicated, as in `train.state.create_train_state`. Each call
-    takes this process's rows `[local_rows, T]` of a global batch of `batch_size` rows and
-    returns their float32 log-probs; all processes must call it together with the same T.
+    `mu` is at the scoring `temperature` (μ, SPEC §0) and `ref` at temperature 1 — the model
+    scored is the initial policy, i.e. the reference π_ref of the KL/preference losses —
+    both from the same forward pass (the same hidden states, two log-softmaxes; one when
+    the temperature is 1). The parameters live on `mesh` with the trainer's sharding rules
+    (`self.params`); the non-trainable variables are replicated, as in
+    `train.state.create_train_state`. Each call takes this process's rows `[local_rows, T]`
+    of a global batch of `batch_size` rows and returns their float32 log-probs; all
+    processes must call it together with the same T.
     """
 
     def __init__(self, model: Any, *, temperature: float, chunk_size: int, mesh: Mesh) -> None:
@@ -172,18 +134,24 @@ class Scorer:
                                                segment_ids, mesh)
             # No-op whenever the trainer itself runs (it requires equal dtypes).
             unembed = unembed.astype(hidden.dtype)
-            return token_logprobs(hidden, unembed, targets, chunk_size=chunk_size,
-                                  temperature=temperature, softcap=softcap)
 
-        self._score = jax.jit(score, out_shardings=self.rows)
+            def logprobs(t: float) -> jax.Array:
+                return token_logprobs(hidden, unembed, targets, chunk_size=chunk_size,
+                                      temperature=t, softcap=softcap)
+
+            mu = logprobs(temperature)
+            return mu, (mu if temperature == REF_TEMPERATURE else logprobs(REF_TEMPERATURE))
+
+        self._score = jax.jit(score, out_shardings=(self.rows, self.rows))
 
     def __call__(self, inputs: np.ndarray, targets: np.ndarray, positions: np.ndarray,
-                 segment_ids: np.ndarray) -> np.ndarray:
+                 segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         local = inputs.shape[0]
         global_shape = (local * jax.process_count(), *inputs.shape[1:])
         arrays = [jax.make_array_from_process_local_data(self.rows, np.asarray(a), global_shape)
                   for a in (inputs, targets, positions, segment_ids)]
-        return _local_rows(self._score(self.params, self.model_state, *arrays))
+        mu, ref = self._score(self.params, self.model_state, *arrays)
+        return _local_rows(mu), _local_rows(ref)
 
 
 def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh: Mesh | None = None,
@@ -201,8 +169,8 @@ def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh:
 
 
 def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
-                length: int | None = None) -> list[np.ndarray]:
-    """μ log-probs (one array per record, aligned with its completion).
+                length: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(μ, π_ref) log-probs of each record (`Scorer`), each aligned with its completion.
 
     `records` (possibly none: an all-padding batch keeps processes in lockstep) are padded to
     `batch_size` rows of `length` tokens (default: the power-of-two bucket of the longest).
@@ -211,11 +179,11 @@ def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
     if length is None:
         length = _bucket(max(r["inputs"].size for r in rows))
     batch = collate(rows, batch_size, (length,))
-    logp = scorer(batch.inputs, batch.targets, batch.positions, batch.segment_ids)
+    mu, ref = scorer(batch.inputs, batch.targets, batch.positions, batch.segment_ids)
     out = []
     for i, r in enumerate(records):
-        p, c = r.prompt_ids.size, r.completion_ids.size
-        out.append(logp[i, p - 1 : p - 1 + c].astype(np.float32))
+        span = slice(r.prompt_ids.size - 1, r.prompt_ids.size - 1 + r.completion_ids.size)
+        out.append((mu[i, span].astype(np.float32), ref[i, span].astype(np.float32)))
     return out
 
 
@@ -301,10 +269,6 @@ def _barrier(name: str) -> None:
 # -- the pass ------------------------------------------------------------------------------
 
 
-def _sampler_logprobs(record: Record) -> np.ndarray | None:
-    return record.raw_logprobs if record.raw_logprobs is not None else record.behavior_logprobs
-
-
 def _check_outputs(out: epath.Path, manifest: Manifest) -> None:
     """Every process checks (so all fail alike, none waits for a peer that raised)."""
     missing = [s["path"] for s in manifest.shards if not (out / s["path"]).exists()]
@@ -313,6 +277,32 @@ def _check_outputs(out: epath.Path, manifest: Manifest) -> None:
             f"score: {out} lacks {len(missing)} output shard(s) after all processes finished "
             f"(first: {missing[0]}); with several processes the output directory must be on a "
             "filesystem they share")
+
+
+def _shard_count(out: epath.Path, name: str) -> int:
+    """Records in output shard `name`, from its lengths sidecar (cheap)."""
+    import io
+
+    path = out / name.replace(".array_record", ".lengths.npy")
+    return int(np.load(io.BytesIO(path.read_bytes())).shape[0])
+
+
+def _recount(out: epath.Path, manifest: Manifest) -> None:
+    """After sequences were dropped: the manifest's shard and record counts from `out` itself
+    (resumed shards included, whose drops this run did not see)."""
+    manifest.shards = [{"path": s["path"], "count": _shard_count(out, s["path"])} for s in manifest.shards]
+    manifest.num_records = sum(s["count"] for s in manifest.shards)
+    write_manifest(out, manifest)
+    records = list(RecordSource(out, validate=False))
+    manifest.num_correct = sum(r.correct for r in records)
+    manifest.num_invalid = sum(r.invalid for r in records)
+    manifest.num_groups = len({r.group_id for r in records})
+
+
+def _flag(record: Record, seq_diff: float, bound: float) -> Record:
+    """`record` marked as over the mismatch bound (metadata["mismatch"])."""
+    return record.replace(metadata={**record.metadata, "mismatch": {
+        "seq_logprob_diff": seq_diff, "bound": bound}})
 
 
 def score_records(
@@ -327,22 +317,36 @@ def score_records(
     progress: bool = True,
     mesh: Mesh | None = None,
     devices: Sequence[Any] | None = None,
+    max_mismatch: float | None = None,
+    drop_mismatched: bool = False,
 ) -> dict[str, float]:
-    """Write `in_dir`'s records with `mu_logprobs` to `out_dir`; returns mismatch metrics.
+    """Write `in_dir`'s records with `mu_logprobs` and `ref_logprobs` to `out_dir`; returns
+    the sampler-vs-trainer mismatch metrics (`generate.mismatch.Mismatch`).
 
-    `temperature=None` uses the manifest's sampling temperature (greedy data: 1).
+    `mu_logprobs` are at `temperature` (None: the manifest's sampling temperature; greedy
+    data: 1), `ref_logprobs` at T = 1 (`REF_TEMPERATURE`), from the same forward pass of
+    `model` — the initial policy, i.e. the reference of the KL/preference losses.
+    `max_mismatch` (`generate.max_mismatch`, nats) flags records whose |Σ log μ_trainer −
+    Σ log μ_sampler| exceeds it (`metadata["mismatch"]`), or with `drop_mismatched`
+    (`generate.drop_mismatched`) leaves them out; the counts are in the metrics.
     `mesh` (the training mesh, `make_mesh(config.mesh)`) shards parameters and rows like the
     train step; `devices` instead gives a data-parallel mesh over them; neither: one device
     (single process). `batch_size` (`generate.score_batch_size`) is the global rows per call
     and must be a multiple of the mesh's data×fsdp. With several processes every process calls
-    this with the same arguments; all return the same metrics.
+    this with the same arguments; all return the same metrics. The output manifest says what
+    was compared and how the records were sampled (`extra`: `score_temperature`,
+    `ref_logprobs`, `sampling_truncated`, `raw_logprobs_temperature`,
+    `score_temperature_matches_sampling`, `score_compared`, `score_metrics`).
     """
     source = RecordSource(in_dir)
     manifest = dataclasses.replace(source.manifest)
     if temperature is None:
-        temperature = manifest.sampling.temperature or 1.0
+        temperature = effective_temperature(manifest.sampling.temperature)
     if temperature <= 0:
         raise ValueError(f"score temperature must be > 0, got {temperature}")
+    if drop_mismatched and max_mismatch is None:
+        raise ConfigError("generate.drop_mismatched=true needs a bound: set generate.max_mismatch "
+                          "(nats of |Σ log μ_sampler − Σ log μ_trainer| per sequence)")
     out = epath.Path(out_dir)
     if out.resolve() == epath.Path(in_dir).resolve():
         raise ValueError(f"score: the output directory must differ from the input directory ({in_dir})")
@@ -351,6 +355,7 @@ def score_records(
     mesh = mesh if mesh is not None else default_mesh(devices)
     local_rows = process_rows(mesh, batch_size)  # fail before placing the parameters
     scorer = Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh)
+    compare = compared_logprobs(manifest, temperature, REF_TEMPERATURE)
     out.mkdir(parents=True, exist_ok=True)
     plan = _plan(source.manifest, source.lengths(), out, local_rows)
     for s in plan.empty:
@@ -363,11 +368,17 @@ def score_records(
     for step, length in enumerate(lengths):
         work = plan.work[step] if step < len(plan.work) else None
         records = source.__getitems__(list(work.indices)) if work is not None else []
-        for record, mu in zip(records, score_batch(scorer, records, local_rows, length), strict=True):
-            sampler = _sampler_logprobs(record)
-            if sampler is not None and sampler.size:
-                mismatch.add(mu, sampler)
-            scored.append(record.replace(mu_logprobs=mu))
+        for record, (mu, ref) in zip(records, score_batch(scorer, records, local_rows, length), strict=True):
+            record = record.replace(mu_logprobs=mu, ref_logprobs=ref)
+            pair = compare.pair(record, mu, ref)
+            if pair is not None and pair[0].size:
+                seq_diff = mismatch.add(*pair)
+                if max_mismatch is not None and abs(seq_diff) > max_mismatch:
+                    mismatch.count("dropped" if drop_mismatched else "flagged")
+                    if drop_mismatched:
+                        continue
+                    record = _flag(record, seq_diff, max_mismatch)
+            scored.append(record)
         bar.update(len(records))
         if work is not None and work.last:
             write_shard(out, source.manifest.shards[work.shard]["path"], scored,
@@ -382,7 +393,20 @@ def score_records(
     if jax.process_index() == 0:
         manifest.shards = [{"path": s["path"], "count": s["count"]} for s in source.manifest.shards]
         manifest.scored_by = model_name or "policy"
-        manifest.extra = {**manifest.extra, "score_temperature": temperature, "score_metrics": metrics}
+        if drop_mismatched:
+            _recount(out, manifest)
+        t = manifest.sampling.temperature
+        manifest.extra = {
+            **manifest.extra, **manifest_sampler_info(manifest),
+            "score_temperature": temperature,
+            "ref_logprobs": {"temperature": REF_TEMPERATURE, "model": manifest.scored_by},
+            # False: μ_trainer is not the distribution the tokens were drawn from.
+            "score_temperature_matches_sampling": bool(
+                t > 0 and math.isclose(effective_temperature(t), temperature, rel_tol=1e-6)),
+            "score_compared": compare.to_json(),
+            "score_mismatch_bound": {"max_mismatch": max_mismatch, "drop": drop_mismatched},
+            "score_metrics": metrics,
+        }
         write_manifest(out, manifest)
     _barrier("jaxrl_llm.score: manifest written")  # readers of out_dir on any process see it
     return metrics

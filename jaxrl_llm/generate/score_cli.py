@@ -1,4 +1,8 @@
-"""`jaxrl-llm score`: write μ per-token log-probs with the trainer's numerics (SPEC §0).
+"""`jaxrl-llm score`: write μ (sampling T) and π_ref (T = 1) per-token log-probs (SPEC §0).
+
+Prints the sampler-vs-trainer mismatch report (also in the output manifest's
+`extra.score_metrics`); `generate.max_mismatch` / `generate.drop_mismatched` flag or drop
+sequences beyond a bound.
 
 Runs on the training mesh (`mesh:` section: parameters and rows sharded like the train step).
 Multi-host: start the same command on every host; `parallel.distributed.initialize` joins the
@@ -22,22 +26,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import ConfigError, load_config
-    from jaxrl_llm.generate.loading import model_and_tokenizer
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.data.stages import scored_directory, stage_input
     from jaxrl_llm.generate.score import score_records
+    from jaxrl_llm.models.loading import load_model
     from jaxrl_llm.parallel.mesh import make_mesh
 
     config = load_config(args.config, args.overrides)
-    records = args.records or config.data.records
-    if records is None:
-        raise ConfigError("set --records or data.records")
-    out = args.out or config.generate.score_output or records.rstrip("/") + "-scored"
+    # data/stages.py: reads data.records, writes generate.score_output or <records>-scored.
+    records = stage_input(config, "score", args.records)
+    out = args.out or scored_directory(config, records)
     mesh = make_mesh(config.mesh)
-    model, _ = model_and_tokenizer(config)
+    model = load_model(config.model, seed=config.seed, mesh=mesh).model  # already sharded
     metrics = score_records(model, records, out, temperature=args.temperature,
                             batch_size=config.generate.score_batch_size,
                             chunk_size=config.loss.logprob_chunk_size,
                             model_name=config.model.path or config.model.source,
-                            mesh=mesh)
+                            mesh=mesh, max_mismatch=config.generate.max_mismatch,
+                            drop_mismatched=config.generate.drop_mismatched)
     print(json.dumps({"output": out, **metrics}, indent=2))
+    _warn_about_sampling(out)
     return 0
+
+
+def _warn_about_sampling(out: str) -> None:
+    """Say on stderr when the sampler's log-probs are not the policy's (manifest flags)."""
+    import sys
+
+    from jaxrl_llm.data.shards import read_manifest
+
+    extra = read_manifest(out).extra
+    if extra.get("sampling_truncated"):
+        print(f"note: {out} was sampled with top-k/top-p: its behaviour log-probs are of the "
+              "truncated distribution, so train with loss.mu_source=trainer (these mu_logprobs)",
+              file=sys.stderr)
+    if not extra.get("score_temperature_matches_sampling", True):
+        print(f"note: {out} was scored at T={extra.get('score_temperature')}, not its sampling "
+              "temperature: mu_logprobs are not the distribution the tokens were drawn from",
+              file=sys.stderr)

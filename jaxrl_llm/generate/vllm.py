@@ -9,7 +9,8 @@ Which log-probs vLLM reports is an engine option (`logprobs_mode`): with
 `processed_logprobs` (default here) they are after temperature and top-k/top-p — the
 distribution the tokens were drawn from — and go to `behavior_logprobs`; with
 `raw_logprobs` they are log-softmax of the unprocessed logits and go to `raw_logprobs`.
-The manifest records the mode and the truncation (SPEC §0). Set-ups (configs/):
+The manifest records the mode and the truncation (`extra.sampling_truncated`,
+`extra.raw_logprobs_temperature`: vLLM's raw log-probs are before temperature, T = 1). Set-ups (configs/):
 TOPR T=1, top-p 1, top-k 500, 512 tokens, n=16 GSM8K / 32 MATH; FPA T=0.7, n=8.
 """
 
@@ -73,7 +74,12 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxrl_llm.config import ConfigError, load_config
     from jaxrl_llm.data.shards import SamplingInfo, ShardWriter
-    from jaxrl_llm.generate.completions import build_records, encode_prompts, format_prompts
+    from jaxrl_llm.generate.completions import (
+        build_records,
+        encode_prompts,
+        format_prompts,
+        sampler_logprob_info,
+    )
     from jaxrl_llm.generate.loading import task_from_config
 
     config = load_config(args.config, args.overrides)
@@ -103,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
                      sampling=SamplingInfo(backend="vllm", temperature=g.temperature, top_p=g.top_p,
                                            top_k=g.top_k, max_new_tokens=g.max_new_tokens, n=g.n,
                                            seed=config.seed),
-                     extra={"vllm_logprobs_mode": g.vllm_logprobs_mode}) as writer:
+                     extra={"vllm_logprobs_mode": g.vllm_logprobs_mode,
+                            **sampler_logprob_info(backend="vllm", temperature=g.temperature,
+                                                   top_k=g.top_k, top_p=g.top_p,
+                                                   logprobs_mode=g.vllm_logprobs_mode)}) as writer:
         for start in tqdm(range(0, len(problems), args.chunk_prompts), desc="vllm generate", unit="chunk"):
             sub = slice(start, start + args.chunk_prompts)
             outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids[sub]], params)

@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+PARAM_DTYPES: tuple[str, ...] = tuple(_DTYPES)  # what parameters and activations may be
 
 # HF config keys we read, per family (everything else is either harmless metadata we ignore
 # or in `_REJECT_IF_SET`).
@@ -49,11 +50,19 @@ class UnsupportedConfigError(ValueError):
     """A Hugging Face config (or field value) this decoder does not implement."""
 
 
-def _dtype_name(value: Any, field: str) -> str:
-    name = jnp.dtype(value).name if not isinstance(value, str) else value
-    if name not in _DTYPES:
+def dtype_name(value: Any, *, field: str = "dtype",
+               choices: tuple[str, ...] = PARAM_DTYPES) -> str:
+    """The name ("float32", "bfloat16", ...) of a dtype given as a string, a numpy/JAX scalar
+    type (`jnp.float32`, `np.float16`) or a `np.dtype`; refused, naming `field` and listing
+    `choices`, when it is none of them. Every public `dtype=` argument goes through here."""
+    try:
+        name = value if isinstance(value, str) else jnp.dtype(value).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in choices:
         raise UnsupportedConfigError(
-            f"{field}={value!r} is not supported: use one of {sorted(_DTYPES)}"
+            f"{field}={value!r} is not a supported dtype: use one of {list(choices)} "
+            "(as a string, or the numpy/JAX type such as jnp.bfloat16)"
         )
     return name
 
@@ -117,8 +126,8 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-        set_("param_dtype", _dtype_name(self.param_dtype, "param_dtype"))
-        set_("compute_dtype", _dtype_name(self.compute_dtype, "compute_dtype"))
+        set_("param_dtype", dtype_name(self.param_dtype, field="param_dtype"))
+        set_("compute_dtype", dtype_name(self.compute_dtype, field="compute_dtype"))
         if self.remat not in ("none", "full", "dots", "dots_no_batch"):
             raise UnsupportedConfigError(
                 f"remat={self.remat!r} is not one of 'none', 'full', 'dots', 'dots_no_batch'"

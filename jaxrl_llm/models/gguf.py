@@ -304,10 +304,20 @@ def read_gguf(path: str | Path) -> tuple[GGUFReader, GGUFInfo, PreTrainedTokeniz
     return reader, info, tokenizer
 
 
-def load_gguf(path: str | Path, *, dtype: str | None = None, **overrides: Any) -> GGUFModel:
+def gguf_hf_config(path: str | Path) -> dict[str, Any]:
+    """The HF `config.json` dict of a GGUF file, from its metadata alone (no weights read)."""
+    path = Path(path)
+    reader = open_gguf(path)
+    return hf_config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors}, path)
+
+
+def load_gguf(path: str | Path, *, dtype: Any = None, mesh: Any = None, rules: Any = None,
+              **overrides: Any) -> GGUFModel:
     """Build our `Decoder` from a GGUF file (dequantised to float32, then cast to `dtype`).
 
-    `overrides` are `DecoderConfig` fields (compute_dtype, scan_layers, remat, ...).
+    `overrides` are `DecoderConfig` fields (compute_dtype, scan_layers, remat, ...); `mesh`
+    and `rules` place each parameter straight into its sharding (see
+    `hf.model_from_state_dict`; the file is dequantised on the host first).
     Returns the model, a `PreTrainedTokenizerFast` carrying the file's chat template, and a
     `GGUFInfo` (HF config, bos/eos ids, per-tensor quantisation types, raw metadata).
     """
@@ -317,5 +327,5 @@ def load_gguf(path: str | Path, *, dtype: str | None = None, **overrides: Any) -
     reader, info, tokenizer = read_gguf(path)
     tensors = hf_state_dict(reader, info.hf_config, info.path)
     model = model_from_state_dict(info.hf_config, tensors, dtype=dtype, source=str(info.path),
-                                  **overrides)
+                                  mesh=mesh, rules=rules, **overrides)
     return GGUFModel(model=model, tokenizer=tokenizer, info=info)

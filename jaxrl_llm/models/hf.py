@@ -1,8 +1,10 @@
 """Hugging Face checkpoints in and out: `config.json` + safetensors <-> `Decoder`.
 
-One mapping table per family (`tensor_rules`) drives both directions: each `TensorRule` names
-the HF tensor, our parameter path and the layout change between them (a `Layout`, which knows
-both the forward and the inverse reshape/transpose). Loading validates everything — the
+One mapping table per family (`hf_layout.tensor_rules`) drives both directions: each
+`TensorRule` names the HF tensor, our parameter path and the layout change between them (a
+`Layout`, which knows both the forward and the inverse reshape/transpose). With a mesh, each
+parameter is built shard by shard from safetensors slices straight into its `NamedSharding`
+(`model_from_state_dict(mesh=...)`). Loading validates everything — the
 architecture, every tensor name (missing and unexpected), every shape — before a model is
 built, so a bad checkpoint never yields a half-loaded model. Export writes safetensors shards
 (+ index), `config.json`, `generation_config.json` and tokenizer files that
@@ -11,7 +13,6 @@ built, so a bad checkpoint never yields a half-loaded model. Export writes safet
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -26,8 +27,16 @@ import safetensors
 import safetensors.numpy
 from flax import nnx
 
-from jaxrl_llm.models.config import DecoderConfig, UnsupportedConfigError
+from jaxrl_llm.models.config import PARAM_DTYPES, DecoderConfig, UnsupportedConfigError, dtype_name
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.models.hf_layout import (
+    Index,
+    Layout,
+    TensorRule,
+    expand_rules,
+    normalise_index,
+    tensor_rules,
+)
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -39,129 +48,12 @@ TOKENIZER_FILES = (
 # Non-parameter buffers some exporters include; they carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+EXPORT_DTYPES: tuple[str, ...] = tuple(_NP_DTYPES)
+_FLOAT_KINDS = ("float32", "bfloat16", "float16", "float64")
 
 
 class CheckpointError(ValueError):
     """A Hugging Face checkpoint that does not match what the config says (names the tensor)."""
-
-
-# ---- layouts: how one HF tensor maps onto one of our parameters ------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A reversible layout change. `ours` is our shape; HF shapes follow from it.
-
-    copy        same array                     (embeddings, lm_head, norm scales, o bias)
-    linear      ours [in, out]      <-> HF [out, in]    (MLP)
-    heads_in    ours [d, H, D]      <-> HF [H*D, d]     (q/k/v projections)
-    heads_out   ours [H, D, d]      <-> HF [d, H*D]     (o projection)
-    heads_bias  ours [H, D]         <-> HF [H*D]        (q/k/v bias)
-    """
-
-    kind: str
-
-    def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
-        if self.kind == "copy":
-            return ours
-        if self.kind == "linear":
-            return (ours[1], ours[0])
-        if self.kind == "heads_in":
-            return (ours[1] * ours[2], ours[0])
-        if self.kind == "heads_out":
-            return (ours[2], ours[0] * ours[1])
-        if self.kind == "heads_bias":
-            return (ours[0] * ours[1],)
-        raise ValueError(f"unknown layout {self.kind!r}")
-
-    def to_ours(self, hf: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
-        if self.kind == "copy":
-            return hf
-        if self.kind == "linear":
-            return hf.T
-        if self.kind == "heads_in":
-            return hf.T.reshape(ours)
-        if self.kind == "heads_out":
-            return hf.T.reshape(ours)
-        if self.kind == "heads_bias":
-            return hf.reshape(ours)
-        raise ValueError(f"unknown layout {self.kind!r}")
-
-    def to_hf(self, ours: np.ndarray) -> np.ndarray:
-        if self.kind == "copy":
-            return ours
-        if self.kind in ("linear", "heads_in", "heads_out"):
-            return ours.reshape(self.hf_shape(ours.shape)[::-1]).T
-        if self.kind == "heads_bias":
-            return ours.reshape(-1)
-        raise ValueError(f"unknown layout {self.kind!r}")
-
-
-COPY, LINEAR = Layout("copy"), Layout("linear")
-HEADS_IN, HEADS_OUT, HEADS_BIAS = Layout("heads_in"), Layout("heads_out"), Layout("heads_bias")
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorRule:
-    """HF name (with `{i}` for the layer index) <-> our parameter path under the layer/root."""
-
-    hf: str
-    ours: str
-    layout: Layout
-    per_layer: bool
-
-
-def tensor_rules(config: DecoderConfig) -> list[TensorRule]:
-    """The mapping table of `config.family` (with its optional tensors per config flags)."""
-    layer = "model.layers.{i}."
-    rules = [TensorRule("model.embed_tokens.weight", "embed", COPY, False),
-             TensorRule("model.norm.weight", "final_norm.scale", COPY, False)]
-    if not config.tie_embeddings:
-        rules.append(TensorRule("lm_head.weight", "lm_head", COPY, False))
-    per_layer = [
-        ("self_attn.q_proj.weight", "attn.q", HEADS_IN),
-        ("self_attn.k_proj.weight", "attn.k", HEADS_IN),
-        ("self_attn.v_proj.weight", "attn.v", HEADS_IN),
-        ("self_attn.o_proj.weight", "attn.o", HEADS_OUT),
-        ("mlp.gate_proj.weight", "mlp.gate", LINEAR),
-        ("mlp.up_proj.weight", "mlp.up", LINEAR),
-        ("mlp.down_proj.weight", "mlp.down", LINEAR),
-        ("input_layernorm.weight", "attn_norm.scale", COPY),
-    ]
-    if config.is_gemma:
-        per_layer += [
-            ("post_attention_layernorm.weight", "post_attn_norm.scale", COPY),
-            ("pre_feedforward_layernorm.weight", "mlp_norm.scale", COPY),
-            ("post_feedforward_layernorm.weight", "post_mlp_norm.scale", COPY),
-        ]
-    else:
-        # In Llama-style checkpoints "post_attention_layernorm" is the pre-MLP norm.
-        per_layer.append(("post_attention_layernorm.weight", "mlp_norm.scale", COPY))
-    if config.qkv_bias:
-        per_layer += [
-            ("self_attn.q_proj.bias", "attn.q_bias", HEADS_BIAS),
-            ("self_attn.k_proj.bias", "attn.k_bias", HEADS_BIAS),
-            ("self_attn.v_proj.bias", "attn.v_bias", HEADS_BIAS),
-        ]
-    if config.o_bias:
-        per_layer.append(("self_attn.o_proj.bias", "attn.o_bias", COPY))
-    if config.qk_norm:
-        per_layer += [
-            ("self_attn.q_norm.weight", "attn.q_norm.scale", COPY),
-            ("self_attn.k_norm.weight", "attn.k_norm.scale", COPY),
-        ]
-    rules += [TensorRule(layer + hf, ours, layout, True) for hf, ours, layout in per_layer]
-    return rules
-
-
-def _expand(rules: list[TensorRule], num_layers: int) -> Iterator[tuple[str, str, Layout]]:
-    """(HF name, our flat path, layout) with layers numbered: "layers.3.attn.q"."""
-    for rule in rules:
-        if rule.per_layer:
-            for i in range(num_layers):
-                yield rule.hf.format(i=i), f"layers.{i}.{rule.ours}", rule.layout
-        else:
-            yield rule.hf, rule.ours, rule.layout
 
 
 # ---- our parameters as a flat, per-layer dict ------------------------------------------------
@@ -230,28 +122,70 @@ def our_params(model: Decoder) -> dict[str, np.ndarray]:
 
 
 Placer = Callable[[np.ndarray, tuple[str, ...]], jax.Array]
+# (our flat per-layer path, normalised index into its per-layer shape) -> that slice, on host
+SliceReader = Callable[[str, Index], np.ndarray]
+# (logical axes, shape) -> where the parameter lives
+ShardingFn = Callable[[tuple[str | None, ...], tuple[int, ...]], jax.sharding.Sharding]
 
 
-def _assign_params(model: Decoder, read: Callable[[str], np.ndarray],
-                   place: Placer | None = None) -> None:
-    """Set every parameter of (an abstract) `model` from `read(flat per-layer path)`.
+def _stacked_slice(read: SliceReader, path: str, index: Index, scanned: bool) -> np.ndarray:
+    """Slice `index` of our (possibly layer-stacked) parameter `path`."""
+    if scanned and path.startswith("layers."):
+        rest = path[len("layers."):]
+        layers, inner = index[0], index[1:]
+        return np.stack([read(f"layers.{i}.{rest}", inner)
+                         for i in range(layers.start, layers.stop)])
+    return read(path, index)
 
-    `place(array, logical_axes)` puts each (stacked) array on devices; default: jnp.asarray.
+
+def _assign_params(model: Decoder, read: SliceReader, place: Placer | None = None,
+                   sharding: ShardingFn | None = None) -> None:
+    """Set every parameter of (an abstract) `model` from `read(flat per-layer path, index)`.
+
+    sharding(logical_axes, shape): each parameter is built shard by shard with
+    `jax.make_array_from_callback`, so a device only ever receives its own slice and the host
+    reads only the slices its devices hold. Else `place(array, logical_axes)` puts each whole
+    (stacked) array on devices; default: `jnp.asarray` (the default device).
     """
-    c: DecoderConfig = model.config
+    scanned = model.config.scan_layers
     for path, var in _param_variables(model).items():
-        if c.scan_layers and path.startswith("layers."):
-            rest = path[len("layers."):]
-            value = np.stack([read(f"layers.{i}.{rest}") for i in range(c.num_layers)])
+        shape, dtype = tuple(var.shape), var.dtype
+        axes = tuple(var.get_metadata()["out_sharding"])
+        cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+        def host(index: Index | None, path: str = path, shape: tuple[int, ...] = shape,
+                 dtype: Any = dtype, cache: dict = cache) -> np.ndarray:
+            index = normalise_index(index, shape)
+            key = tuple((sl.start, sl.stop) for sl in index)
+            if key not in cache:  # replicas of one shard (e.g. over "data") read it once
+                value = _stacked_slice(read, path, index, scanned).astype(dtype)
+                want = tuple(sl.stop - sl.start for sl in index)
+                if value.shape != want:
+                    raise CheckpointError(f"internal: {path}{list(key)} has shape "
+                                          f"{value.shape}, want {want}")
+                cache[key] = value
+            return cache[key]
+
+        if sharding is not None:
+            value = jax.make_array_from_callback(shape, sharding(axes, shape), host, dtype=dtype)
+        elif place is not None:
+            value = place(host(None), axes)
         else:
-            value = read(path)
-        if tuple(value.shape) != tuple(var.shape):
-            raise CheckpointError(f"internal: {path} has shape {value.shape}, want {var.shape}")
-        value = value.astype(var.dtype)
-        if place is None:
-            var.set_value(jnp.asarray(value))
-        else:
-            var.set_value(place(value, tuple(var.get_metadata()["out_sharding"])))
+            value = jnp.asarray(host(None))
+        var.set_value(value)
+
+
+def mesh_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None) -> ShardingFn:
+    """The `NamedSharding` of each parameter on `mesh` by the logical-axis `rules`
+    (default: the trainer's, `parallel.rules.DEFAULT_PARAM_RULES`)."""
+    from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, logical_to_mesh_spec
+
+    table = DEFAULT_PARAM_RULES if rules is None else rules
+
+    def sharding(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return jax.sharding.NamedSharding(mesh, logical_to_mesh_spec(axes, shape, mesh, table))
+
+    return sharding
 
 
 # ---- import --------------------------------------------------------------------------------
@@ -276,6 +210,11 @@ class _LazySafetensors(Mapping[str, np.ndarray]):
         with safetensors.safe_open(str(self.files[name]), framework="numpy") as f:
             return f.get_tensor(name)
 
+    def read_slice(self, name: str, index: Index) -> np.ndarray:
+        """Only `index` of tensor `name` (safetensors reads just those bytes)."""
+        with safetensors.safe_open(str(self.files[name]), framework="numpy") as f:
+            return f.get_slice(name)[index]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
 
@@ -286,7 +225,7 @@ class _LazySafetensors(Mapping[str, np.ndarray]):
         return self._shapes[name]
 
     def dtype_of(self, name: str) -> str:
-        return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(
+        return {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(
             self._dtypes[name], self._dtypes[name])
 
     def where(self, name: str) -> str:
@@ -317,28 +256,64 @@ def _checkpoint_dtype(tensors: Mapping[str, Any], names: list[str]) -> str:
     return "bfloat16" if kinds == {"bfloat16"} else "float32"
 
 
+def _read_slice(tensors: Mapping[str, Any], name: str, index: Index) -> np.ndarray:
+    if isinstance(tensors, _LazySafetensors):
+        return tensors.read_slice(name, index)
+    return np.asarray(tensors[name])[index]
+
+
+def _check_tensors(tensors: Mapping[str, Any], rules: list[tuple[str, str, Layout]],
+                   shapes: dict[str, tuple[int, ...]], tied: bool, source: str) -> None:
+    """Every tensor is float and has the shape the config implies (names tensor and file)."""
+    for hf_name, ours, layout in rules:
+        where = _where(tensors, hf_name, source)
+        kind = _dtype(tensors, hf_name)
+        if kind not in _FLOAT_KINDS:
+            raise CheckpointError(f"{where}: tensor {hf_name} has non-float dtype {kind}")
+        want = layout.hf_shape(shapes[ours])
+        got = _shape(tensors, hf_name)
+        if got != want:
+            raise CheckpointError(f"{where}: tensor {hf_name} has shape {list(got)}, "
+                                  f"config.json implies {list(want)}")
+    if tied and "lm_head.weight" in tensors:
+        if _shape(tensors, "lm_head.weight") != _shape(tensors, "model.embed_tokens.weight") or \
+                not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise CheckpointError(f"{_where(tensors, 'lm_head.weight', source)}: "
+                                  "tie_word_embeddings is true but lm_head.weight differs from "
+                                  "model.embed_tokens.weight")
+
+
 def model_from_state_dict(
     hf_config: Mapping[str, Any],
     tensors: Mapping[str, np.ndarray],
     *,
-    dtype: str | None = None,
+    dtype: Any = None,
     source: str = "state dict",
     place: Placer | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> Decoder:
     """Build a `Decoder` from a HF config dict and HF-named tensors ([out, in] linears).
 
-    dtype: parameter dtype ("float32" / "bfloat16"); None keeps the checkpoint's (bf16 stays
-    bf16, anything else becomes float32). `overrides` set `DecoderConfig` fields (e.g.
-    compute_dtype, remat, scan_layers). `place(array, logical_axes) -> jax.Array` puts each
-    parameter on devices as it is converted (e.g. `jax.device_put` with a `NamedSharding`,
-    or `jax.make_array_from_callback` on multi-host meshes); default: the default device.
+    dtype: parameter dtype ("float32" / "bfloat16" or jnp.float32 / jnp.bfloat16); None keeps
+    the checkpoint's (bf16 stays bf16, anything else becomes float32). `overrides` set
+    `DecoderConfig` fields (e.g. compute_dtype, remat, scan_layers).
+    mesh (+ rules, default the trainer's): every parameter goes straight into its
+    `NamedSharding`, each device receiving only its shard and the host reading only the
+    slices of its own devices (multi-host ready); no device ever holds the whole model.
+    place(array, logical_axes) -> jax.Array: a custom placement of each whole parameter
+    instead. Neither: the default device.
     Raises `UnsupportedConfigError` / `CheckpointError` naming the field or tensor (and
     `source`) before anything is built.
     """
+    if mesh is not None and place is not None:
+        raise ValueError("model_from_state_dict: pass mesh or place, not both")
+    if dtype is not None:
+        dtype = dtype_name(dtype, field="dtype", choices=PARAM_DTYPES)
     probe = DecoderConfig.from_hf(hf_config, source=source, **overrides)
-    rules = list(_expand(tensor_rules(probe), probe.num_layers))
-    expected = {hf for hf, _, _ in rules}
+    rules_ = list(expand_rules(tensor_rules(probe), probe.num_layers))
+    expected = {hf for hf, _, _ in rules_}
     missing = sorted(expected - set(tensors))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -358,31 +333,19 @@ def model_from_state_dict(
     config = probe.replace(param_dtype=dtype)
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
     shapes = _per_layer_shapes(abstract)
-    for hf_name, ours, layout in rules:
-        want = layout.hf_shape(shapes[ours])
-        got = _shape(tensors, hf_name)
-        if got != want:
-            raise CheckpointError(f"{_where(tensors, hf_name, source)}: tensor {hf_name} has "
-                                  f"shape {list(got)}, config.json implies {list(want)}")
-    if probe.tie_embeddings and "lm_head.weight" in tensors:
-        if _shape(tensors, "lm_head.weight") != _shape(tensors, "model.embed_tokens.weight") or \
-                not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
-            raise CheckpointError(f"{_where(tensors, 'lm_head.weight', source)}: "
-                                  "tie_word_embeddings is true but lm_head.weight differs from "
-                                  "model.embed_tokens.weight")
+    _check_tensors(tensors, rules_, shapes, probe.tie_embeddings, source)
     np_dtype = _NP_DTYPES[dtype]
-    by_ours = {ours: (hf_name, layout) for hf_name, ours, layout in rules}
+    by_ours = {ours: (hf_name, layout) for hf_name, ours, layout in rules_}
 
-    def read(ours: str) -> np.ndarray:
-        # Read and convert one tensor at a time, so host memory holds ~one parameter extra.
+    def read(ours: str, index: Index) -> np.ndarray:
+        # One tensor (slice) at a time, so host memory holds ~one parameter extra.
         hf_name, layout = by_ours[ours]
-        array = np.asarray(tensors[hf_name])
-        if not np.issubdtype(array.dtype, np.floating) and array.dtype != ml_dtypes.bfloat16:
-            raise CheckpointError(f"{_where(tensors, hf_name, source)}: tensor {hf_name} has "
-                                  f"non-float dtype {array.dtype}")
-        return np.ascontiguousarray(layout.to_ours(array, shapes[ours])).astype(np_dtype)
+        value = layout.read_ours(lambda i: _read_slice(tensors, hf_name, i), shapes[ours],
+                                 index)
+        return np.ascontiguousarray(value).astype(np_dtype)
 
-    _assign_params(abstract, read, place)
+    sharding = None if mesh is None else mesh_sharding(mesh, rules)
+    _assign_params(abstract, read, place, sharding)
     return abstract
 
 
@@ -424,20 +387,25 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: invalid JSON ({err})") from err
 
 
-def load_pretrained(hf_dir: str | Path, *, dtype: str | None = None,
-                    place: Placer | None = None, **overrides: Any) -> Decoder:
+def load_pretrained(hf_dir: str | Path, *, dtype: Any = None, place: Placer | None = None,
+                    mesh: jax.sharding.Mesh | None = None, rules: Mapping[str, Any] | None = None,
+                    **overrides: Any) -> Decoder:
     """A `Decoder` from a local HF directory (`config.json` + safetensors, sharded or not).
 
     dtype: parameter dtype, None = the checkpoint's own (bf16 stays bf16, else float32).
-    place: see `model_from_state_dict`. overrides: `DecoderConfig` fields such as
-    compute_dtype="bfloat16", remat="full", scan_layers=True.
+    mesh / rules / place: see `model_from_state_dict` (with a mesh, each device receives only
+    its shard). overrides: `DecoderConfig` fields such as compute_dtype="bfloat16",
+    remat="full", scan_layers=True.
     """
+    if hf_dir is None:
+        raise TypeError("load_pretrained: hf_dir is None; pass a Hugging Face directory "
+                        "(config.json + *.safetensors)")
     hf_dir = Path(hf_dir)
     hf_config = read_hf_config(hf_dir)
     DecoderConfig.from_hf(hf_config, source=str(hf_dir / "config.json"), **overrides)
     tensors = _LazySafetensors(_safetensors_files(hf_dir))
     return model_from_state_dict(hf_config, tensors, dtype=dtype, source=str(hf_dir),
-                                 place=place, **overrides)
+                                 place=place, mesh=mesh, rules=rules, **overrides)
 
 
 # ---- export --------------------------------------------------------------------------------
@@ -447,13 +415,15 @@ def _hf_tensors(model: Decoder, dtype: str | None) -> Iterator[tuple[str, np.nda
     """(HF name, array) in mapping-table order, converted one at a time."""
     c: DecoderConfig = model.config
     read = _ParamReader(model)
-    for hf_name, ours, layout in _expand(tensor_rules(c), c.num_layers):
+    for hf_name, ours, layout in expand_rules(tensor_rules(c), c.num_layers):
         array = np.ascontiguousarray(layout.to_hf(read(ours)))
         yield hf_name, array if dtype is None else array.astype(_NP_DTYPES[dtype])
 
 
-def state_dict(model: Decoder, *, dtype: str | None = None) -> dict[str, np.ndarray]:
+def state_dict(model: Decoder, *, dtype: Any = None) -> dict[str, np.ndarray]:
     """HF-named numpy tensors of `model` (in `dtype`, default the params' dtype)."""
+    if dtype is not None:
+        dtype = dtype_name(dtype, field="dtype", choices=EXPORT_DTYPES)
     return dict(_hf_tensors(model, dtype))
 
 
@@ -464,7 +434,7 @@ def _plan_shards(model: Decoder, dtype: str, max_shard_bytes: int) -> list[list[
     itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
     shards: list[list[str]] = [[]]
     size = 0
-    for hf_name, ours, layout in _expand(tensor_rules(c), c.num_layers):
+    for hf_name, ours, layout in expand_rules(tensor_rules(c), c.num_layers):
         nbytes = int(np.prod(layout.hf_shape(shapes[ours]))) * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
@@ -479,7 +449,7 @@ def save_pretrained(
     out_dir: str | Path,
     *,
     tokenizer: Any = None,
-    dtype: str | None = None,
+    dtype: Any = None,
     max_shard_bytes: int = 5 * 1024**3,
     generation_config: Mapping[str, Any] | None = None,
 ) -> Path:
@@ -502,14 +472,14 @@ def save_pretrained(
     elif tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
         raise TypeError(f"tokenizer must be a directory or have save_pretrained(); got "
                         f"{type(tokenizer).__name__}")
-    if dtype is not None and dtype not in _NP_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(_NP_DTYPES)}")
+    if dtype is not None:
+        dtype = dtype_name(dtype, field="dtype", choices=EXPORT_DTYPES)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dtype_name = dtype or c.param_dtype
+    out_dtype = dtype or c.param_dtype
     for stale in list(out.glob("model*.safetensors")) + [out / SAFE_INDEX]:
         stale.unlink(missing_ok=True)
-    plan = _plan_shards(model, dtype_name, max_shard_bytes)
+    plan = _plan_shards(model, out_dtype, max_shard_bytes)
     names = [SAFE_SINGLE] if len(plan) == 1 else [
         f"model-{k:05d}-of-{len(plan):05d}.safetensors" for k in range(1, len(plan) + 1)]
     shard_of = {tensor: k for k, shard in enumerate(plan) for tensor in shard}
@@ -517,7 +487,7 @@ def save_pretrained(
     pending: dict[str, np.ndarray] = {}
     total = 0
     # Host memory holds one shard at a time (plus the Variable being read).
-    for hf_name, array in _hf_tensors(model, dtype_name):
+    for hf_name, array in _hf_tensors(model, out_dtype):
         pending[hf_name] = array
         total += array.nbytes
         k = shard_of[hf_name]
@@ -528,7 +498,7 @@ def save_pretrained(
         index = {"metadata": {"total_size": total},
                  "weight_map": {t: names[shard_of[t]] for shard in plan for t in shard}}
         (out / SAFE_INDEX).write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(c.to_hf(dtype=dtype_name), indent=2))
+    (out / "config.json").write_text(json.dumps(c.to_hf(dtype=out_dtype), indent=2))
     gen = {k: v for k, v in (("bos_token_id", c.bos_token_id),
                              ("eos_token_id", c.eos_token_id),
                              ("pad_token_id", c.pad_token_id)) if v is not None}
@@ -548,6 +518,7 @@ def save_pretrained(
 
 
 __all__ = [
-    "CheckpointError", "UnsupportedConfigError", "load_pretrained", "model_from_state_dict",
+    "EXPORT_DTYPES", "CheckpointError", "Layout", "TensorRule", "UnsupportedConfigError",
+    "load_pretrained", "mesh_sharding", "model_from_state_dict",
     "our_params", "read_hf_config", "save_pretrained", "state_dict", "tensor_rules",
 ]

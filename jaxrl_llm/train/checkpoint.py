@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxrl_llm.paths import PathLike, as_path
 
 STATE, DATA, META = "state", "data", "meta"
 
@@ -77,13 +79,14 @@ def _data_args(iterator: Any, *, save: bool) -> Any:
 class Checkpointer:
     """Saves every `save_every` steps (and when forced), keeps the last `keep` checkpoints.
 
-    `directory` may be any `etils.epath` path (local or `gs://`). All processes of a
-    multi-host job call `save`/`restore` (Orbax coordinates them); only committed steps count.
+    `directory` may be any `etils.epath` path (local or `gs://`); a relative local path is
+    made absolute (Orbax refuses relative ones). All processes of a multi-host job call
+    `save`/`restore` (Orbax coordinates them); only committed steps count.
     """
 
     def __init__(
         self,
-        directory: str | Path,
+        directory: PathLike,
         *,
         save_every: int = 100,
         keep: int = 3,
@@ -92,10 +95,10 @@ class Checkpointer:
         if save_every <= 0 or keep <= 0:
             raise ValueError(f"save_every={save_every} and keep={keep} must be positive")
         _register_array_handler()
-        self.directory = directory
+        self.directory = as_path(directory)
         self.save_every = save_every
         self.manager = ocp.CheckpointManager(
-            directory,
+            self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, enable_async_checkpointing=async_save, create=True
             ),
@@ -198,10 +201,10 @@ class Checkpointer:
 CHECKPOINT_DIR = "checkpoints"
 
 
-def locate(path: str | Path) -> tuple[Path, int | None]:
+def locate(path: PathLike) -> tuple[epath.Path, int | None]:
     """(checkpoint manager directory, step or None) for a run directory, its `checkpoints/`
     directory, or one step directory `checkpoints/<step>`."""
-    p = Path(path)
+    p = as_path(path)
     if (p / CHECKPOINT_DIR).is_dir():
         return p / CHECKPOINT_DIR, None
     if p.name.isdigit() and (p / STATE).is_dir():
@@ -222,7 +225,7 @@ class RestoredModel:
     meta: dict[str, Any]
 
 
-def restore_model(path: str | Path, *, step: int | None = None, mesh: Any | None = None
+def restore_model(path: PathLike, *, step: int | None = None, mesh: Any | None = None
                   ) -> RestoredModel:
     """The policy saved in a checkpoint, restored from the config stored next to it.
 
@@ -233,7 +236,7 @@ def restore_model(path: str | Path, *, step: int | None = None, mesh: Any | None
     from jaxrl_llm.config import ExperimentConfig, MeshConfig
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.state import abstract_train_state
-    from jaxrl_llm.train.trainer import model_factory, state_items, with_items
+    from jaxrl_llm.train.trainer import state_items, with_items
 
     directory, found = locate(path)
     step = step if step is not None else found
@@ -245,7 +248,7 @@ def restore_model(path: str | Path, *, step: int | None = None, mesh: Any | None
         config = ExperimentConfig.model_validate(meta["config"])
         if mesh is None:
             mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
-        template = abstract_train_state(config, mesh, model_factory(config))
+        template = abstract_train_state(config, mesh)
         restored = ckpt.restore(abstract_like(state_items(template)), step=meta["step"])
     finally:
         ckpt.close()

@@ -13,8 +13,9 @@ and reference log-probs, FPA's extrapolated log-probs, the exact KL, `loss_mask`
 arrays, and the unchanged kernels see one record per view row. Pair losses (`LossSpec.needs_pairs`:
 `pair_index` holds row numbers) refuse packing.
 
-Temperature: μ's log-probs are scored with the sampling temperature (SPEC §0), so π's are too
-(`generate.temperature`; 0 = greedy is treated as 1).
+Temperature: μ's log-probs are scored with the sampling temperature, so π's are too
+(`generate.temperature`; 0 = greedy is treated as 1) — except for the losses that compare π
+with π_ref (`LossSpec.needs_ref`), where both are at T = 1 (see `temperature`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ from jaxrl_llm.losses.types import LossOutput
 
 
 def temperature(config: ExperimentConfig) -> float:
+    """The temperature π's log-probs are computed at: the sampling temperature for losses
+    whose ratio compares π with μ (scored at it); T = 1 for losses that compare π with π_ref,
+    which the score pass writes at T = 1 — both sides must be one distribution family."""
+    if loss_spec(config.loss.name).needs_ref:
+        return 1.0
     t = config.generate.temperature
     return float(t) if t > 0 else 1.0
 

@@ -2,18 +2,22 @@
 
 One row per logging window: `{"step": s, "time": unix seconds, name: value, ...}`. On resume
 from a checkpoint at step s, rows after s (written by the interrupted run past its last
-checkpoint) are dropped, so the file reads as one uninterrupted run.
+checkpoint) are dropped, so the file reads as one uninterrupted run. `run_dir` may be local or
+remote (`gs://`, through `etils.epath`); object stores cannot append, so there the whole file
+is rewritten at each row.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from types import TracebackType
+
+from etils import epath
+
+from jaxrl_llm.paths import PathLike, as_path, is_remote
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -28,7 +32,7 @@ def _json_value(value: object) -> object:
     return value
 
 
-def truncate_after(path: Path, step: int) -> int:
+def truncate_after(path: epath.Path, step: int) -> int:
     """Rewrite a metrics JSONL keeping rows with `step <= step`; returns rows dropped."""
     if not path.exists():
         return 0
@@ -48,7 +52,7 @@ def truncate_after(path: Path, step: int) -> int:
     if dropped:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        tmp.replace(path)
     return dropped
 
 
@@ -61,17 +65,18 @@ class MetricsLogger:
 
     def __init__(
         self,
-        run_dir: str | Path,
+        run_dir: PathLike,
         *,
         resume_step: int | None = None,
         tensorboard: bool = True,
         enabled: bool = True,
     ) -> None:
-        self.run_dir = Path(run_dir)
+        self.run_dir = as_path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self.enabled = enabled
         self._writer = None
         self._file = None
+        self._rows: list[str] | None = None  # remote: every row so far, rewritten per row
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,11 @@ class MetricsLogger:
             truncate_after(self.path, resume_step)
         elif self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh log
-        self._file = self.path.open("a")
+        if is_remote(self.path):
+            self._rows = (self.path.read_text().splitlines(keepends=True)
+                          if self.path.exists() else [])
+        else:
+            self._file = self.path.open("a")
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -92,9 +101,14 @@ class MetricsLogger:
         row.update({name: _json_value(value) for name, value in metrics.items()})
         if not self.enabled:
             return row
-        assert self._file is not None
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        line = json.dumps(row) + "\n"
+        if self._rows is not None:
+            self._rows.append(line)
+            self.path.write_text("".join(self._rows))
+        else:
+            assert self._file is not None
+            self._file.write(line)
+            self._file.flush()
         if self._writer is not None:
             for name, value in row.items():
                 if name not in ("step", "time") and isinstance(value, int | float):

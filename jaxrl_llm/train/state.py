@@ -24,11 +24,9 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl_llm.config import ExperimentConfig
+from jaxrl_llm.losses.registry import loss_spec
 from jaxrl_llm.parallel.rules import optimizer_shardings, replicated, state_shardings
 from jaxrl_llm.train.optim import make_optimizer
-
-PREFERENCE_LOSSES = ("dpo", "rpo", "kto", "apo")
-REF_LOGPROB_LOSSES = (*PREFERENCE_LOSSES, "off_rl_kl")
 
 
 @struct.dataclass
@@ -54,8 +52,8 @@ class TrainState:
 def needs_reference_model(config: ExperimentConfig) -> bool:
     """FPA needs the reference hidden states; other losses need π_ref only when the config
     asks the step to compute reference log-probs."""
-    name = config.loss.name
-    return name == "fpa" or (name in REF_LOGPROB_LOSSES and config.train.ref_logprobs == "model")
+    spec = loss_spec(config.loss.name)
+    return spec.needs_ref_model or (spec.needs_ref and config.train.ref_logprobs == "model")
 
 
 def cast_to_dtypes(tree: nnx.State, dtypes: tuple[str, ...]) -> nnx.State:
@@ -82,51 +80,15 @@ def master_dtypes(params: nnx.State, fp32: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
-def decoder_config(config: ExperimentConfig) -> Any:
-    """The `DecoderConfig` the policy will have, without loading weights.
+def build_model(config: ExperimentConfig, *, weights: bool = True,
+                mesh: Mesh | None = None) -> nnx.Module:
+    """The policy named by `config.model` via the one entry point,
+    `models.loading.load_model` (with `mesh`: every parameter already in its sharding).
+    `weights=False` builds a randomly initialised model of the same architecture (for
+    `nnx.eval_shape` / `plan`)."""
+    from jaxrl_llm.models.loading import load_model
 
-    Pretrained sources read their own architecture (HF `config.json`); when that file is not
-    reachable from this machine (e.g. `plan` for a bucket path) the `model:` section's
-    architecture fields stand in, which the paper configs set to the real model's values.
-    """
-    from jaxrl_llm.models.config import DecoderConfig
-
-    m = config.model
-    numerics = {"compute_dtype": m.compute_dtype, "remat": m.remat, "scan_layers": m.scan_layers,
-                "param_dtype": m.param_dtype}
-    if m.source == "hf" and m.path is not None:
-        from pathlib import Path
-
-        from jaxrl_llm.models.hf import read_hf_config
-
-        if (Path(m.path) / "config.json").is_file():
-            return DecoderConfig.from_hf(read_hf_config(m.path), source=m.path, **numerics)
-    return DecoderConfig.from_model_config(m)
-
-
-def build_model(config: ExperimentConfig, *, weights: bool = True) -> nnx.Module:
-    """The policy named by `config.model`, unsharded (eager sharding off: `create_train_state`
-    places the variables on the mesh). `weights=False` builds a randomly initialised model of
-    the same architecture (for `nnx.eval_shape` / `plan`)."""
-    from jaxrl_llm.models.decoder import Decoder
-
-    m = config.model
-    if m.source == "random" or not weights:
-        return Decoder(decoder_config(config), rngs=nnx.Rngs(config.seed))
-    overrides = {"compute_dtype": m.compute_dtype, "remat": m.remat, "scan_layers": m.scan_layers}
-    if m.source == "hf":
-        from jaxrl_llm.models.hf import load_pretrained
-
-        return load_pretrained(m.path, dtype=m.param_dtype, **overrides)
-    from jaxrl_llm.models.gguf import load_gguf
-
-    path = m.path
-    if m.source == "smollm2":
-        from jaxrl_llm.models.packaged import smollm2_gguf_path
-
-        path = str(smollm2_gguf_path())
-    model = load_gguf(path, dtype=m.param_dtype).model
-    return model
+    return load_model(config.model, seed=config.seed, mesh=mesh, weights=weights).model
 
 
 def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
@@ -175,34 +137,34 @@ def create_train_state(
 ) -> TrainState:
     """A concrete TrainState placed on `mesh` by the sharding rules.
 
-    `model=None` builds the policy from `config.model` (random init directly sharded by a
-    jitted initialiser; pretrained weights loaded then placed). The reference model (when
-    needed) is a frozen copy of the initial policy.
+    `model=None` loads the policy from `config.model` straight into its shardings (random
+    init inside a jitted initialiser; pretrained weights shard by shard from the files), so
+    no device ever holds the whole model; a given `model` is placed by the same rules. The
+    fp32 master weights and the optimizer state are made by jitted functions with
+    out-shardings, shard by shard. The reference model (when needed) is a frozen copy of the
+    initial policy in its own dtype.
     """
     tx, _ = make_optimizer(config.optim, config.train.steps)
-    if model is None and config.model.source == "random":
-        abstract = abstract_train_state(config, mesh)
-        shardings = state_shardings_for(abstract, mesh)
-
-        def init() -> TrainState:
-            return _unsharded_state(config, build_model(config), tx.init)
-
-        return jax.jit(init, out_shardings=shardings)()
     if model is None:
-        model = build_model(config)
-    unsharded = _unsharded_state(config, model, lambda p: jax.eval_shape(tx.init, p))
-    shardings = state_shardings_for(unsharded, mesh)
-    params = _put(unsharded.params, shardings.params)
-    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-    return unsharded.replace(
-        step=jax.device_put(unsharded.step, shardings.step),
-        params=params,
-        opt_state=opt_state,
-        model_state=_put(unsharded.model_state, shardings.model_state),
+        model = build_model(config, mesh=mesh)
+    graphdef, params, rest = split_model(model)
+    dtypes = tuple(jnp.dtype(x.dtype).name for x in jax.tree.leaves(params))
+    masters = master_dtypes(params, config.optim.master_weights_fp32)
+    p_shard = state_shardings(params, mesh)
+    params = _put(params, p_shard)  # a no-op for a model loaded onto this mesh
+    master = jax.jit(lambda p: cast_to_dtypes(p, masters), out_shardings=p_shard)(params)
+    opt_shard = optimizer_shardings(jax.eval_shape(tx.init, master), master, p_shard)
+    scalar = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return TrainState(
+        step=jax.device_put(jnp.zeros((), jnp.int32), scalar),
+        params=master,
+        opt_state=jax.jit(tx.init, out_shardings=opt_shard)(master),
+        model_state=_put(rest, replicated(rest, mesh)),
         # A real copy: the step donates the state, and one buffer cannot be donated twice.
-        ref_params=None if unsharded.ref_params is None
-        else jax.tree.map(jnp.copy, _put(unsharded.ref_params, shardings.ref_params)),
-        rng=jax.device_put(unsharded.rng, shardings.rng),
+        ref_params=jax.tree.map(jnp.copy, params) if needs_reference_model(config) else None,
+        rng=jax.device_put(jax.random.PRNGKey(config.seed), scalar),
+        graphdef=graphdef,
+        param_dtypes=dtypes,
     )
 
 
@@ -214,7 +176,7 @@ def abstract_train_state(
     created (`nnx.eval_shape`), so an 8B model costs nothing. Used by `plan` and for restoring
     checkpoints onto a mesh."""
     tx, _ = make_optimizer(config.optim, config.train.steps)
-    factory = model_factory or (lambda: build_model(config, weights=False))
+    factory = model_factory or (lambda: build_model(config, weights=False))  # reads no weights
 
     def make() -> TrainState:
         model = factory()

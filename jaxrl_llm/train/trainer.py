@@ -13,7 +13,8 @@
 - Resume: a `Trainer` whose `run_dir/checkpoints` holds a committed checkpoint continues
   from the latest one.
 - SIGTERM (preemption): the loop finishes the current step, checkpoints, and returns with
-  `stopped=True` (the `train` command then exits with 143).
+  `stopped=True` (the `train` command then exits with 143). With several processes the stop
+  step is agreed through a sync point (`train/preemption.py`), so all hosts save together.
 - Non-finite steps are skipped by the step itself; `train.max_nonfinite_steps` consecutive
   ones stop the run with an error (never train on NaN).
 """
@@ -21,17 +22,17 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from etils import epath
 
-from jaxrl_llm.config import ConfigError, ExperimentConfig, dump_config
+from jaxrl_llm.config import ExperimentConfig, dump_config
+from jaxrl_llm.paths import PathLike, as_path
+from jaxrl_llm.train.preemption import StopSync
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect of a job stopped by SIGTERM
 
@@ -42,10 +43,8 @@ BatchHook = Callable[[int, Any], None]
 # (step, trainer) -> None: after each step (tests, custom schedules)
 StepHook = Callable[[int, "Trainer"], None]
 
-# Losses that never read μ (no importance ratio): records need no score pass.
-MU_FREE_LOSSES = ("sft", "off_rl", "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo")
-
-# Kernel metrics that compare π with μ: meaningless (μ = 0) when the loss reads no μ.
+# Kernel metrics that compare π with μ: meaningless (μ = 0) when the loss reads no μ
+# (`LossSpec.needs_mu` false in losses/registry.py).
 RATIO_METRICS = ("loss/log_ratio", "loss/ess", "loss/clip_frac")
 
 STATE_FIELDS = ("step", "params", "opt_state", "model_state", "rng", "ref_params")
@@ -61,37 +60,28 @@ def with_items(state: Any, items: Mapping[str, Any]) -> Any:
     return state.replace(**dict(items))
 
 
-def model_factory(config: ExperimentConfig) -> Callable[[], Any] | None:
-    """How to build `config.model` when `train.state.build_model` cannot (GGUF sources);
-    None means the default (random init or an HF directory)."""
-    if config.model.source in ("gguf", "smollm2"):
-        from jaxrl_llm.generate.loading import model_and_tokenizer
-
-        return lambda: model_and_tokenizer(config)[0]
-    return None
-
-
 @dataclass(frozen=True)
 class TrainResult:
     step: int  # loop steps completed (train steps called)
     state: Any  # final TrainState
     stopped: bool  # True when SIGTERM stopped the run early
-    run_dir: Path
-    checkpoint_dir: Path
-    metrics_path: Path
+    run_dir: epath.Path
+    checkpoint_dir: epath.Path
+    metrics_path: epath.Path
     last_row: dict[str, Any]
 
 
 class Trainer:
-    """Trains `config` on the records in `records` (default `data.records`) into `run_dir`
+    """Trains `config` on the records in `records` (default: data.curated, else the scored
+    records, else data.records; `data.stages.stage_input`) into `run_dir`
     (default `config.run_dir`); see the module docstring."""
 
     def __init__(
         self,
         config: ExperimentConfig,
         *,
-        records: str | Path | None = None,
-        run_dir: str | Path | None = None,
+        records: PathLike | None = None,
+        run_dir: PathLike | None = None,
         model: Any | None = None,
         mesh: Any | None = None,
         eval_hook: EvalHook | None = None,
@@ -99,47 +89,36 @@ class Trainer:
         on_step: StepHook | None = None,
         progress: bool = True,
         tensorboard: bool = True,
+        init_from: PathLike | None = None,
     ) -> None:
         import jax
 
-        from jaxrl_llm.data.loader import make_loader, packing_options
+        from jaxrl_llm.data.loader import loader_from_config
+        from jaxrl_llm.data.stages import check_mu, stage_input
+        from jaxrl_llm.losses.registry import loss_spec
         from jaxrl_llm.parallel.mesh import make_mesh
         from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
+        from jaxrl_llm.train.preflight import check_records
 
         self.config = config
-        records = records if records is not None else config.data.records
-        if records is None:
-            raise ConfigError("data.records: the trainer needs a records directory to train on")
-        self.records = str(records)
-        self.run_dir = Path(run_dir if run_dir is not None else config.run_dir)
+        # `records` wins; else data.curated, the scored records, data.records (data/stages.py).
+        self.records = stage_input(config, "train", records)
+        # Refuse records this loss cannot train on (μ, reference log-probs, μ's temperature).
+        check_mu(config, self.records)
+        self.config = config = check_records(config, self.records)
+        self.run_dir = as_path(run_dir if run_dir is not None else config.run_dir)
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         self.eval_hook, self.on_batch, self.on_step = eval_hook, on_batch, on_step
         self.progress = progress and jax.process_index() == 0
         self.tensorboard = tensorboard
         self._model = model
-        self._stop = threading.Event()
+        # A previous run's checkpoints: its train state seeds this run (see `_initial_state`).
+        self.init_from = init_from
+        self._stop = StopSync()
 
-        count = jax.process_count()
-        if config.train.batch_size % count:
-            raise ConfigError(f"train.batch_size={config.train.batch_size} must divide over the "
-                              f"{count} processes")
-        d = config.data
-        self.uses_mu = config.loss.name not in MU_FREE_LOSSES
-        self.loader = make_loader(
-            self.records,
-            batch_size=config.train.batch_size // count,
-            max_len=config.train.max_seq_len,
-            buckets=tuple(d.buckets),
-            seed=d.shuffle_seed,
-            num_epochs=d.num_epochs,
-            too_long=d.too_long,
-            read_threads=d.read_threads,
-            prefetch=d.prefetch,
-            require_mu=config.loss.mu_source == "trainer" and self.uses_mu,
-            process_index=jax.process_index(),
-            process_count=count,
-            **packing_options(config),
-        )
+        self.uses_mu = loss_spec(config.loss.name).needs_mu
+        # The one loader constructor: pairs, whole groups and μ as the loss's LossSpec needs.
+        self.loader = loader_from_config(config, self.records)
         self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
         self.checkpointer = Checkpointer(
             self.checkpoint_dir,
@@ -150,15 +129,16 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------
 
     def _initial_state(self) -> tuple[Any, int]:
-        """(state, loop step): restored from the latest checkpoint when there is one."""
+        """(state, loop step): restored from the latest checkpoint when there is one; else,
+        with `init_from`, that run's final train state (parameters, optimizer state and step,
+        RNG; not its data position) at loop step 0, so the optimizer continues (`iterate`)."""
         from jaxrl_llm.train.checkpoint import abstract_like
         from jaxrl_llm.train.state import abstract_train_state, create_train_state
 
         latest = self.checkpointer.latest_step()
-        factory = model_factory(self.config)
-        if self._model is None and factory is not None:
-            self._model = factory()
-        if latest is None:
+        # Without a given model, every source loads through `models.loading` (weights straight
+        # into their shardings; a resume builds only the abstract template).
+        if latest is None and self.init_from is None:
             return create_train_state(self.config, self.mesh, self._model), 0
         if self._model is None:
             template = abstract_train_state(self.config, self.mesh)
@@ -166,6 +146,8 @@ class Trainer:
             template = create_train_state(self.config, self.mesh, self._model)
         items = state_items(template)
         shardings = {k: _shardings(v) for k, v in items.items()}
+        if latest is None:
+            return continue_state(template, self.init_from, self._model is not None), 0
         restored = self.checkpointer.restore(
             abstract_like(items, shardings), step=latest, data_iterator=self.loader
         )
@@ -185,7 +167,7 @@ class Trainer:
 
     def request_stop(self) -> None:
         """Stop after the current step, checkpointing first (what SIGTERM does)."""
-        self._stop.set()
+        self._stop.request()
 
     def run(self) -> TrainResult:
         import jax
@@ -204,7 +186,7 @@ class Trainer:
         train_step = cached_train_step(self.config, self.mesh, state)
         logger = MetricsLogger(self.run_dir, resume_step=step if step else None,
                                tensorboard=self.tensorboard, enabled=jax.process_index() == 0)
-        previous = _install_sigterm(self._stop)
+        _install_sigterm(self._stop)
         window = MetricWindow()
         bar = tqdm(total=cfg.steps, initial=step, disable=not self.progress, desc="train",
                    unit="step", dynamic_ncols=True)
@@ -212,7 +194,8 @@ class Trainer:
         nonfinite = 0
         tokens, steps_in, t_window = 0, 0, time.perf_counter()
         try:
-            while step < cfg.steps and not self._stop.is_set():
+            stopped = False
+            while step < cfg.steps and not stopped:
                 try:
                     host = next(self.loader)
                 except StopIteration:  # data.num_epochs exhausted before train.steps
@@ -228,6 +211,7 @@ class Trainer:
                 steps_in += 1
                 scalars = {k: float(v) for k, v in jax.device_get(metrics).items()
                            if self.uses_mu or not k.startswith(RATIO_METRICS)}
+                scalars.update(batch_data_metrics(self.loader, host))
                 nonfinite = nonfinite + 1 if scalars.get("update_skipped", 0.0) else 0
                 if nonfinite >= cfg.max_nonfinite_steps:
                     raise FloatingPointError(
@@ -235,6 +219,10 @@ class Trainer:
                         f"gradient (loss={scalars.get('loss')}, grad_norm="
                         f"{scalars.get('grad_norm')}); stopping (train.max_nonfinite_steps)"
                     )
+                if step == 1:  # the first row shows step 1's log-ratios (≈ 0: π = μ = π_ref)
+                    from jaxrl_llm.train.preflight import first_step_metrics
+
+                    scalars.update(first_step_metrics(scalars))
                 window.add(scalars)
                 bar.update(1)
                 bar.set_postfix(loss=f"{scalars['loss']:.4g}", refresh=False)
@@ -254,7 +242,8 @@ class Trainer:
                                        meta=self._meta(step, state))
                 if self.on_step is not None:
                     self.on_step(step, self)
-            stopped = self._stop.is_set() and step < cfg.steps
+                # Every process asks at every step; all get the same answer at the same step.
+                stopped = self._stop.should_stop(step) and step < cfg.steps
             if len(window):
                 last_row = logger.log(step, window.flush())
             self.checkpointer.save(step, state_items(state), data_iterator=self.loader,
@@ -263,7 +252,7 @@ class Trainer:
         finally:
             bar.close()
             logger.close()
-            _restore_sigterm(previous)
+            _restore_sigterm(self._stop)
         return TrainResult(
             step=step, state=state, stopped=stopped, run_dir=self.run_dir,
             checkpoint_dir=self.checkpoint_dir, metrics_path=logger.path,
@@ -304,22 +293,56 @@ def cached_train_step(config: ExperimentConfig, mesh: Any, state: Any) -> Any:
     return _STEP_CACHE[key]
 
 
+def continue_state(template: Any, checkpoints: PathLike, keep_ref: bool) -> Any:
+    """`template` with the latest train state saved in `checkpoints` (a run's checkpoint
+    directory): parameters, optimizer state and step, RNG. `keep_ref`: the template's
+    reference policy stays (it is the model this run was given)."""
+    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like
+
+    items = state_items(template)
+    source = Checkpointer(checkpoints, async_save=False)
+    try:
+        if source.latest_step() is None:
+            raise FileNotFoundError(f"init_from={checkpoints}: no complete checkpoint to "
+                                    f"continue from (train that run first)")
+        target = abstract_like(items, {k: _shardings(v) for k, v in items.items()})
+        restored = dict(source.restore(target).state)
+    finally:
+        source.close()
+    if keep_ref and "ref_params" in items:
+        restored["ref_params"] = items["ref_params"]
+    return with_items(template, restored)
+
+
+def batch_data_metrics(loader: Any, host: Any) -> dict[str, float]:
+    """What the global batch holds, host-side: `data/whole_groups` / `data/partial_groups`
+    for the group losses (summed over the processes' parts; each part holds whole groups)."""
+    import jax
+
+    counts = loader.group_counts(host)
+    if counts and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        keys = sorted(counts)
+        total = multihost_utils.process_allgather(np.asarray([counts[k] for k in keys])).sum(0)
+        counts = dict(zip(keys, map(float, total)))
+    return counts
+
+
 def _shardings(tree: Any) -> Any:
     import jax
 
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def _install_sigterm(stop: threading.Event) -> Any:
-    """Route SIGTERM to `stop` (main thread only; elsewhere signals cannot be handled)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+def _install_sigterm(stop: StopSync) -> None:
+    """Route SIGTERM to `stop` (one process: a Python handler; several: JAX's preemption
+    sync point, see `train/preemption.py`)."""
+    stop.install()
 
 
-def _restore_sigterm(previous: Any) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+def _restore_sigterm(stop: StopSync) -> None:
+    stop.uninstall()
 
 
 # -- `jaxrl-llm train` ----------------------------------------------------------------------
@@ -328,7 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxrl_llm.config_cli import add_config_arguments
 
     add_config_arguments(parser, required=True)
-    parser.add_argument("--records", default=None, help="records directory (default data.records)")
+    parser.add_argument("--records", default=None, help="records directory (default: data.curated, else the scored "
+                        "records <data.records>-scored when they exist, else data.records)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
 
 

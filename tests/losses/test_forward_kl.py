@@ -165,8 +165,9 @@ def _batch_for(targets, mask, rewards):
 
 
 def test_train_loss_uses_exact_kl_when_configured():
-    """`loss.kl_exact: true` with `train.ref_logprobs: model` gives the exact-KL loss (SPEC §3)
-    at the sampling temperature; without reference hidden states it is a config error."""
+    """`loss.kl_exact: true` with `train.ref_logprobs: model` gives the exact-KL loss (FPA §3)
+    at T = 1 whatever the sampling temperature (π and π_ref of one distribution family);
+    without reference hidden states it is a config error."""
     from jaxrl_llm.config import ConfigError, config_from_dict
     from jaxrl_llm.train.loss_fn import compute_loss
 
@@ -186,8 +187,8 @@ def test_train_loss_uses_exact_kl_when_configured():
     def gather(log_p):
         return jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
 
-    logp = gather(naive_log_softmax(hidden, unembed, temperature=temp))
-    kl = naive_forward_kl(hidden, unembed, ref_hidden, ref_unembed, temperature=temp)
+    logp = gather(naive_log_softmax(hidden, unembed, temperature=1.0))
+    kl = naive_forward_kl(hidden, unembed, ref_hidden, ref_unembed, temperature=1.0)
     length = jnp.sum(mask, axis=-1)
     expected = jnp.sum(-rewards * jnp.exp(jnp.sum(mask * logp, axis=-1) / length)
                        + tau_kl * jnp.sum(mask * kl, axis=-1) / length)

@@ -143,20 +143,41 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, records):
 
 
 def test_sigterm_checkpoints_then_stops(tmp_path, records):
+    """A real SIGTERM mid-run reaches the trainer's handler (not the one installed before the
+    run), stops the loop after that step with a checkpoint of it, and the earlier handler is
+    back afterwards."""
+    outer_calls: list[int] = []
+
+    def outer(signum, frame):
+        outer_calls.append(signum)
+
     def on_step(step, trainer):
         if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    trainer = Trainer(tiny_config(tmp_path / "run", records, checkpoint_every=100),
-                      on_step=on_step, progress=False, tensorboard=False)
-    result = trainer.run()
-    trainer.close()
-    assert result.stopped and result.step == 2
-    assert trainer.checkpointer.latest_step() == 2
+    previous = signal.signal(signal.SIGTERM, outer)
+    try:
+        trainer = Trainer(tiny_config(tmp_path / "run", records, checkpoint_every=100),
+                          on_step=on_step, progress=False, tensorboard=False)
+        result = trainer.run()
+        trainer.close()
+        handler_after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert outer_calls == []  # the trainer's handler took the signal
+    assert handler_after is outer  # and put the earlier handler back
+    assert result.stopped and result.step == 2 < 2 * N
+    assert trainer.checkpointer.all_steps() == [2]  # checkpoint_every=100: saved on stop
     meta = trainer.checkpointer.read_meta()
-    assert meta["step"] == 2 and meta["config"]["train"]["steps"] == 2 * N
-    assert (tmp_path / "run" / CHECKPOINT_DIR).is_dir()
-    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
+    assert meta["step"] == 2 and meta["optimizer_step"] == 2
+    assert meta["config"]["train"]["steps"] == 2 * N
+    assert (tmp_path / "run" / CHECKPOINT_DIR / "2").is_dir()
+    # Without a signal the same run trains every step and is not "stopped".
+    again = Trainer(tiny_config(tmp_path / "full", records, checkpoint_every=100),
+                    progress=False, tensorboard=False)
+    full = again.run()
+    again.close()
+    assert not full.stopped and full.step == 2 * N
 
 
 def test_train_command_runs_a_yaml_config(tmp_path, records, capsys):

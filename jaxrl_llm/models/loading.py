@@ -1,0 +1,152 @@
+"""The one way to build the policy a `model:` config section names.
+
+Every command that needs the model (train, generate, score, evaluate, export, plan, iterate)
+goes through `load_model` (weights) or `decoder_config` (architecture only), so the
+section's numerics — `param_dtype`, `compute_dtype`, `remat`, `scan_layers` — mean the same
+for every source:
+
+    random   a fresh `Decoder` of the section's architecture, seeded
+    hf       a Hugging Face directory (`model.path`: config.json + *.safetensors)
+    gguf     a llama.cpp GGUF file (`model.path`)
+    smollm2  the packaged SmolLM2-135M-Instruct GGUF (`model.path` overrides the file)
+
+With a `mesh`, each parameter goes straight into its `NamedSharding` by the logical-axis
+rules (`parallel.rules`): a random init runs inside one jitted initialiser with out-shardings,
+and pretrained weights are read from safetensors slice by slice with
+`jax.make_array_from_callback`, so no device ever holds the whole model (an 8B model loads
+onto 16 GiB chips).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.decoder import Decoder
+
+WEIGHT_SOURCES = ("hf", "gguf", "smollm2")
+_PATH_HINT = {"hf": "a Hugging Face directory with config.json and *.safetensors",
+              "gguf": "a llama.cpp .gguf file"}
+
+
+class LoadedModel(NamedTuple):
+    """`load_model`'s result."""
+
+    model: Decoder
+    tokenizer: Any | None  # the tokenizer the weights file carries (GGUF sources), else None
+
+
+def numerics(model_config: Any) -> dict[str, Any]:
+    """The `DecoderConfig` fields the `model:` section sets for every source."""
+    m = model_config
+    return {"param_dtype": m.param_dtype, "compute_dtype": m.compute_dtype, "remat": m.remat,
+            "scan_layers": m.scan_layers}
+
+
+def weights_path(model_config: Any) -> str:
+    """The file or directory the weights come from; a `ConfigError` naming `model.path`
+    when a pretrained source has none."""
+    from jaxrl_llm.config import ConfigError
+
+    m = model_config
+    if m.source not in WEIGHT_SOURCES:
+        raise ConfigError(f"model.source={m.source!r} has no weights file (one of "
+                          f"{list(WEIGHT_SOURCES)} has)")
+    if m.path is not None:
+        return str(m.path)
+    if m.source == "smollm2":
+        from jaxrl_llm.models.packaged import smollm2_gguf_path
+
+        return str(smollm2_gguf_path())
+    raise ConfigError(f"model.path is not set, but model.source={m.source!r} loads its weights "
+                      f"from it: set model.path to {_PATH_HINT[m.source]} (or use "
+                      "model.source=random for a randomly initialised model)")
+
+
+def decoder_config(model_config: Any) -> DecoderConfig:
+    """The `DecoderConfig` the policy will have, without reading weights.
+
+    Pretrained sources read their own architecture (HF `config.json`, GGUF metadata); when
+    that file is not reachable from this machine (e.g. `plan` for a path that exists only on
+    the pod's workers) the section's architecture fields stand in, which the paper configs
+    set to the real model's values.
+    """
+    m = model_config
+    if m.source == "random":
+        return DecoderConfig.from_model_config(m)
+    path = weights_path(m)
+    if m.source == "hf" and (Path(path) / "config.json").is_file():
+        from jaxrl_llm.models.hf import read_hf_config
+
+        return DecoderConfig.from_hf(read_hf_config(path), source=path, **numerics(m))
+    if m.source != "hf" and Path(path).is_file():
+        from jaxrl_llm.models.gguf import gguf_hf_config
+
+        return DecoderConfig.from_hf(gguf_hf_config(path), source=path, **numerics(m))
+    return DecoderConfig.from_model_config(m)
+
+
+def random_model(config: DecoderConfig, *, seed: int = 0, mesh: Mesh | None = None,
+                 rules: Mapping[str, Any] | None = None) -> Decoder:
+    """A randomly initialised `Decoder`; with `mesh`, initialised inside one jitted function
+    whose out-shardings put every parameter in its place (no device holds the whole model)."""
+
+    def make() -> Decoder:
+        return Decoder(config, rngs=nnx.Rngs(seed))
+
+    if mesh is None:
+        return make()
+    from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, state_shardings
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = state_shardings(abstract, mesh, DEFAULT_PARAM_RULES if rules is None else rules)
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
+               rules: Mapping[str, Any] | None = None, weights: bool = True) -> LoadedModel:
+    """The policy `model_config` (a `config.ModelConfig`) names, with its numerics.
+
+    seed: the random init's seed (source random, or `weights=False`). mesh / rules: place
+    every parameter straight into its sharding (default rules: the trainer's); without a
+    mesh the model lives on the default device. weights=False: a random model of the same
+    architecture (for `nnx.eval_shape` / `plan`; reads no weights).
+    """
+    m = model_config
+    if m.source == "random" or not weights:
+        return LoadedModel(random_model(decoder_config(m), seed=seed, mesh=mesh, rules=rules),
+                           None)
+    path = weights_path(m)
+    dtype = m.param_dtype
+    overrides = {k: v for k, v in numerics(m).items() if k != "param_dtype"}
+    if m.source == "hf":
+        from jaxrl_llm.models.hf import load_pretrained
+
+        model = load_pretrained(path, dtype=dtype, mesh=mesh, rules=rules, **overrides)
+        return LoadedModel(model, None)
+    from jaxrl_llm.models.gguf import load_gguf
+
+    loaded = load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, **overrides)
+    return LoadedModel(loaded.model, loaded.tokenizer)
+
+
+def source_tokenizer(model_config: Any) -> Any | None:
+    """The tokenizer a GGUF source carries (read without dequantising any weight); None for
+    sources whose tokenizer lives elsewhere (random: the char tokenizer; hf: the directory's
+    tokenizer files, see `generate.loading.tokenizer_from_config`)."""
+    if model_config.source not in ("gguf", "smollm2"):
+        return None
+    from jaxrl_llm.models.gguf import read_gguf
+
+    return read_gguf(weights_path(model_config))[2]
+
+
+__all__ = ["LoadedModel", "decoder_config", "load_model", "numerics", "random_model",
+           "source_tokenizer", "weights_path"]

@@ -1,0 +1,119 @@
+"""Checks the trainer runs on a record directory before building anything: can these records
+train this loss as configured?
+
+- Reference log-probs: a loss that reads log π_ref (`LossSpec.needs_ref`) from the records
+  (`train.ref_logprobs: batch`) needs records written by `jaxrl-llm score`, which stores
+  π_ref at temperature 1 beside μ (manifest `extra.ref_logprobs`). Without them the loss
+  would compare log π with 0: refused, naming the directory and both fixes.
+- μ is the policy at step 0: a loss with an importance ratio π/μ (`LossSpec.needs_mu`)
+  computes π at `generate.temperature`; μ was computed at the records' temperature (the
+  score pass's `extra.score_temperature`, or the sampling temperature for
+  `loss.mu_source: sampler`). A config that leaves `generate.temperature` unset takes the
+  records' value; one that sets a different value is refused.
+- `loss.mu_source: sampler` needs the sampler's processed log-probs to be the policy's: not
+  after top-k/top-p truncation, not greedy (a point mass), and present at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+from etils import epath
+
+from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.data.shards import MANIFEST_NAME, Manifest, read_manifest
+from jaxrl_llm.generate.completions import effective_temperature, manifest_sampler_info
+from jaxrl_llm.generate.score import REF_TEMPERATURE
+from jaxrl_llm.losses.registry import loss_spec
+
+
+def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> ExperimentConfig:
+    """Refuse records that cannot train `config`'s loss (`ConfigError` naming the records,
+    the config key and the fix); returns `config`, with `generate.temperature` taken from
+    the records' manifest when the loss reads μ and the config leaves it unset."""
+    manifest = read_manifest(directory)
+    where = str(epath.Path(directory) / MANIFEST_NAME)
+    spec = loss_spec(config.loss.name)
+    if spec.needs_ref and config.train.ref_logprobs == "batch":
+        check_ref_logprobs(config.loss.name, manifest, str(directory), where)
+    if not spec.needs_mu:
+        return config
+    if config.loss.mu_source == "sampler":
+        check_sampler_mu(manifest, where)
+    return adopt_temperature(config, manifest, str(directory), where)
+
+
+def check_ref_logprobs(loss: str, manifest: Manifest, directory: str, where: str) -> None:
+    """The records carry π_ref log-probs at temperature 1 (written by `jaxrl-llm score`)."""
+    ref = manifest.extra.get("ref_logprobs")
+    fix = (f"run `jaxrl-llm score --records {directory}` (it writes ref_logprobs, π_ref at "
+           "T=1, beside mu_logprobs) and train on its output, or set train.ref_logprobs=model "
+           "(the frozen reference policy runs in the train step)")
+    if not isinstance(ref, dict):
+        raise ConfigError(
+            f"loss.name={loss} reads reference log-probs from the records "
+            f"(train.ref_logprobs=batch), but {directory} has none ({where} has no "
+            f"extra.ref_logprobs; training would use log π_ref = 0): {fix}")
+    if not math.isclose(float(ref.get("temperature", math.nan)), REF_TEMPERATURE):
+        raise ConfigError(
+            f"loss.name={loss}: {directory} holds ref_logprobs at temperature "
+            f"{ref.get('temperature')} ({where}: extra.ref_logprobs.temperature), not "
+            f"{REF_TEMPERATURE}: {fix}")
+
+
+def check_sampler_mu(manifest: Manifest, where: str) -> None:
+    """`loss.mu_source: sampler` only on records whose processed log-probs are the policy's."""
+    s = manifest.sampling
+    info = manifest_sampler_info(manifest)
+    fix = ("set loss.mu_source=trainer and train on the output of `jaxrl-llm score` (μ "
+           "recomputed from the policy)")
+    if info["sampling_truncated"]:
+        raise ConfigError(
+            f"loss.mu_source=sampler: the records were sampled with top_k={s.top_k}, "
+            f"top_p={s.top_p} ({where}: sampling), so their behaviour log-probs are those of "
+            f"the truncated distribution, not the policy's: {fix}, or regenerate with "
+            "generate.top_k=0 generate.top_p=1")
+    if s.temperature <= 0:
+        raise ConfigError(
+            f"loss.mu_source=sampler: the records were sampled greedily (temperature "
+            f"{s.temperature}, {where}), so their behaviour log-probs are 0, not the policy's: {fix}")
+    if manifest.extra.get("vllm_logprobs_mode") == "raw_logprobs":
+        raise ConfigError(
+            f"loss.mu_source=sampler: the records hold vLLM raw log-probs (before temperature; "
+            f"{where}: extra.vllm_logprobs_mode) and no behaviour log-probs: {fix}, or "
+            "regenerate with generate.vllm_logprobs_mode=processed_logprobs")
+
+
+def records_temperature(config: ExperimentConfig, manifest: Manifest) -> tuple[float, str]:
+    """(temperature μ was computed at, the manifest key that says so)."""
+    if config.loss.mu_source == "sampler":
+        return effective_temperature(manifest.sampling.temperature), "sampling.temperature"
+    t = manifest.extra.get("score_temperature")
+    if t is None:  # records given μ by other means (the loader checks they have it): as sampled
+        return effective_temperature(manifest.sampling.temperature), "sampling.temperature"
+    return float(t), "extra.score_temperature"
+
+
+def adopt_temperature(config: ExperimentConfig, manifest: Manifest, directory: str,
+                      where: str) -> ExperimentConfig:
+    """`config` whose `generate.temperature` is the one μ was computed at (see module doc)."""
+    records_t, key = records_temperature(config, manifest)
+    g = config.generate
+    if "temperature" not in g.model_fields_set:
+        return config.model_copy(update={"generate": g.model_copy(update={"temperature": records_t})})
+    if not math.isclose(effective_temperature(g.temperature), records_t, rel_tol=1e-6):
+        raise ConfigError(
+            f"generate.temperature={g.temperature} but μ of the records in {directory} is at "
+            f"temperature {records_t} ({where}: {key}): π would be computed at another "
+            f"temperature than μ, so π/μ ≠ 1 at step 0. Set generate.temperature={records_t} "
+            "(or leave it unset to take the records' value)")
+    return config
+
+
+
+def first_step_metrics(scalars: dict[str, float]) -> dict[str, float]:
+    """The step-1 log-ratios (log π − log μ, log π − log π_ref) under "step1/…", so the first
+    logged row shows them whatever `train.log_every` is: there the policy is μ and π_ref, so
+    each must be ≈ 0 (far from 0: the records' μ or reference is not this model's)."""
+    return {f"step1/{k}": v for k, v in scalars.items()
+            if k.startswith("loss/") and ("log_ratio" in k or "logratio" in k)}

@@ -1,0 +1,1 @@
+"""Test suite (a package, so test modules import shared helpers as `tests.…`)."""
