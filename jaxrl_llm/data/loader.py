@@ -250,7 +250,8 @@ class BatchLoader:
             i = int(too_long[0])
             raise RecordError(
                 f"{self.source.where(i)}: record needs a row of {int(row_len[i])} tokens > max_len "
-                f"{o.max_len} ({too_long.size} such records; set too_long='drop' to skip them)"
+                f"{o.max_len} ({too_long.size} such records; raise train.max_seq_len, or set "
+                "data.too_long=drop to skip them)"
             )
         real = units >= 0
         fits = ((row_len[np.maximum(units, 0)] <= o.max_len) | ~real).all(axis=1)
@@ -258,7 +259,8 @@ class BatchLoader:
         self.dropped_too_long = int(real[~fits].sum())
         if self.dropped_too_long:
             logging.getLogger(__name__).warning(
-                "%s: dropping %d of %d records longer than max_len=%d (data.too_long=drop)",
+                "%s: dropping %d of %d records: longer than max_len=%d, or in a pair/group with "
+                "such a record (data.too_long=drop)",
                 directory, self.dropped_too_long, len(self.source), o.max_len)
         self._units = units[fits]
         self.num_records = int((self._units >= 0).sum())
