@@ -50,7 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `key=value` overrides may sit anywhere among the flags (`train --config C a=1 --no-progress
+    # b=2`): argparse stops the positional list at the first flag, so collect the rest here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if "=" not in a or a.startswith("-")]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*(args.overrides or []), *extra]
     module = importlib.import_module(args._module)
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.data.records import RecordError

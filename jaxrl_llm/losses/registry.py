@@ -75,26 +75,26 @@ _PREFERENCE_INPUTS = ("logp", "ref_logp", "mask")
 
 _SPECS = (
     # TOPR family (TOPR eq. 7 and Table 1): −Σ_y w(y) R(y) log π(y), w from the truncated ratio.
-    _topr("topr", "−[R>0]·R·log π − [R<0]·[π/μ]₀¹·R·log π (TOPR eq. 7)", needs_mu=True),
+    _topr("topr", "−[R>0]·R·log π − [R<0]·[π/μ]₀¹·R·log π (TOPR eq. 7, 11)", needs_mu=True),
     _topr("sft", "−[R>0]·log π over positives (TOPR Table 1, weights 1/0)", needs_mu=False),
     _topr("reinforce", "−R·log π, no ratio (naive off-policy REINFORCE)", needs_mu=False),
     _topr("opr", "−(π/μ)·R·log π, untruncated importance sampling", needs_mu=True),
     _topr("tis", "−[π/μ]₀¹·R·log π for every record (truncated IS)", needs_mu=True),
     LossSpec("ppo", pg.ppo_loss, "ppo",
-             "−min(ρA, clip(ρ, 1±ε)A), ρ = π/μ, A = R − baseline", positive="baseline",
+             "−min(ρA, clip(ρ, 1±ε)A), ρ = π/μ, A = R − baseline (TOPR eq. 6)", positive="baseline",
              needs_mu=True),
     LossSpec("grpo", pg.grpo_loss, "group",
-             "PPO surrogate with A = (R − mean_group)/std_group", positive="group", needs_mu=True,
+             "PPO surrogate, A = (R − mean_group)/std_group (FPA eq. 34–35)", positive="group", needs_mu=True,
              inputs=_GROUP_INPUTS, needs_groups=True),
     LossSpec("dr_grpo", pg.dr_grpo_loss, "group",
-             "PPO surrogate with A = R − mean_group, sum over tokens / max_len", positive="group",
+             "PPO surrogate, A = R − mean_group, token sum / max_len (Dr.GRPO)", positive="group",
              needs_mu=True,
              inputs=_GROUP_INPUTS, needs_groups=True),
     LossSpec("off_rl", pg.off_rl_loss, "off_rl",
-             "−R·(1/|y|)·log π (FPA eq. 2, length-normalised)", positive="correct",
+             "−R·π(y)^{1/|y|}, length-normalised (FPA eq. 1)", positive="correct",
              inputs=("logp", "mask", "rewards")),
     LossSpec("off_rl_kl", pg.off_rl_kl_loss, "off_rl",
-             "off_rl + τ·KL(π_ref‖π) (FPA §3)", positive="correct",
+             "off_rl + τ·KL(π_ref‖π) (FPA eq. 33)", positive="correct",
              inputs=("logp", "ref_logp", "mask", "rewards"), needs_ref=True),
     LossSpec("fpa", pg.fpa_loss, "fpa",
              "−sg(π̂^{1/|y|})·R·(1/|y|)·log π, π̂ ∝ π^{1+λ}/π_ref^λ (FPA eq. 3)",
@@ -163,3 +163,18 @@ def check_loss_inputs(name: str, **arrays: object) -> None:
         finite_or_raise(**checked)
     except ValueError as err:
         raise ValueError(f"loss {name!r}: {err}") from None
+
+
+def markdown_table() -> str:
+    """The registry as the Markdown table the README shows (a test keeps the two equal)."""
+    def mark(flag: bool) -> str:
+        return "✓" if flag else ""
+
+    lines = ["| loss | μ (score) | π_ref | pairs | whole groups | minimises |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, s in LOSS_SPECS.items():
+        ref = "model" if s.needs_ref_model else mark(s.needs_ref)
+        text = s.minimises.replace("|", "\\|")
+        lines.append(f"| `{name}` | {mark(s.needs_mu)} | {ref} | {mark(s.needs_pairs)} | "
+                     f"{mark(s.needs_groups)} | {text} |")
+    return "\n".join(lines)
