@@ -177,7 +177,11 @@ def test_export_evaluate_report(flow):
     result = json.loads((flow / "runs/eval/eval/eval.json").read_text())
     # 16 questions × 4 samples, each scored: pass@1 is the mean of the per-question rates
     assert result["num_questions"] == 16 and result["n"] == 4
-    assert 0.0 <= result["pass_at_1"]["mean"] <= 1.0 and "invalid_rate" in json.dumps(result)
+    shares = result["proportions"]  # correct / incorrect / invalid over the 64 samples
+    assert set(shares) == {"correct", "incorrect", "invalid"}
+    np.testing.assert_allclose(sum(shares.values()), 1.0)
+    # pass@1 is the mean per-question solve rate: with equal n, the overall correct share
+    np.testing.assert_allclose(result["pass_at_1"]["mean"], shares["correct"])
     jaxrl(flow, "report", "runs/eval")
     report = flow / "runs/eval/report"
     assert any(p.suffix == ".png" for p in report.iterdir()), sorted(report.iterdir())
