@@ -67,11 +67,22 @@ class LossConfig(Section):
     b_neg: float | None = None
     baseline: float = 0.0
     length_norm: bool = True
-    ratio_level: Literal["sequence", "token"] = "sequence"
+    # TOPR family: "sequence" π(y)/μ(y) (TOPR's), "token" π_t/μ_t, or "geometric" — the
+    # length-normalised (π(y)/μ(y))^{1/|y|}; PPO: "sequence" or "token".
+    ratio_level: Literal["sequence", "token", "geometric"] = "sequence"
     clip_eps: float = Field(0.2, gt=0)
+    # PPO/GRPO: DAPO clip-higher bounds (arXiv:2503.14476); None means clip_eps.
+    clip_eps_low: float | None = Field(None, ge=0, le=1)
+    clip_eps_high: float | None = Field(None, ge=0)
+    # PPO/GRPO dual clip (arXiv:1912.09729): loss ≤ −c·A for A < 0; c > 1; None = off.
+    dual_clip_c: float | None = None
+    # GRPO's group std: 0 population (default), 1 sample std as verl / TRL / Tunix.
+    std_ddof: Literal[0, 1] = 0
+    # verl's names. None = the loss's own: token-mean for ppo (token ratios) and grpo; for
+    # the TOPR family length_norm's per-record normalisation (seq-mean-token-mean / -sum).
     aggregation: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    ] | None = None
     fpa_lambda: float = Field(1.0, ge=0)
     fpa_on: Literal["both", "negatives", "positives"] = "both"
     kl_tau: float = Field(0.04, ge=0)
@@ -92,6 +103,51 @@ class LossConfig(Section):
 
         loss_spec(name)  # ValueError listing the choices
         return name
+
+    @field_validator("dual_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, c: float | None) -> float | None:
+        if c is not None and not c > 1.0:
+            raise ValueError(
+                "dual clip needs c > 1 (dual-clip PPO, arXiv:1912.09729: c ≤ 1 would cap "
+                "negative-advantage losses at or below the unclipped value); e.g. 3.0, or null"
+            )
+        return c
+
+    @model_validator(mode="after")
+    def _options_read_by_the_loss(self) -> LossConfig:
+        """An option the chosen loss does not read is an error, never silently ignored."""
+        from jaxrl_llm.losses.registry import loss_spec
+
+        family = loss_spec(self.name).family
+        clip_family = family in ("ppo", "group")
+        unread = {
+            "ratio_level=geometric": self.ratio_level == "geometric" and family != "topr",
+            "ratio_level": self.ratio_level != "sequence" and family not in ("topr", "ppo"),
+            "clip_eps_low": self.clip_eps_low is not None and not clip_family,
+            "clip_eps_high": self.clip_eps_high is not None and not clip_family,
+            "dual_clip_c": self.dual_clip_c is not None and not clip_family,
+            "std_ddof": self.std_ddof != 0 and self.name != "grpo",
+            "aggregation": self.aggregation is not None and (
+                (family not in ("topr", "ppo") and self.name != "grpo")
+                or (family == "ppo" and self.ratio_level != "token")),
+        }
+        bad = [key for key, unused in unread.items() if unused]
+        if bad:
+            raise ValueError(
+                f"loss.{bad[0]} has no effect with loss.name={self.name} (ratio_level="
+                f"{self.ratio_level}): geometric ratios are for the TOPR family, clip options "
+                "for ppo/grpo/dr_grpo, std_ddof for grpo, aggregation for the TOPR family, grpo "
+                "and ppo with ratio_level=token (dr_grpo fixes seq-mean-token-sum-norm); "
+                "remove the key"
+            )
+        if family == "topr" and self.aggregation is not None and not self.length_norm:
+            raise ValueError(
+                f"loss.length_norm=false and loss.aggregation={self.aggregation} both choose "
+                "the TOPR normalisation; length_norm=false is aggregation=seq-mean-token-sum: "
+                "set only loss.aggregation"
+            )
+        return self
 
 
 class OptimConfig(Section):

@@ -112,10 +112,13 @@ def grpo_advantages(
     """Group-normalised advantages `(R − mean_g R) / (std_g R + eps)` (002 eq. 34; SPEC §3).
 
     `scale_by_std=False` is Dr.GRPO (centring only). **(choice)** `std` is the population
-    standard deviation (`ddof=0`), so a single-record group gets advantage 0 rather than
-    0/0; pass `ddof=1` for the unbiased estimate TRL/verl use (singletons still give 0).
+    standard deviation (`ddof=0`, `sqrt(Σ(R − mean)²/n)`); `ddof=1` is the sample std
+    `sqrt(Σ(R − mean)²/(n − 1))` that verl, Tunix and TRL use (`torch.std` / `jnp.std(ddof=1)`).
+    A single-record group gets advantage 0 with either (its centred reward is 0; the peers
+    differ here: torch's std of one value is NaN, and verl sets mean 0, std 1 for it).
     Padding rows get advantage 0 and do not enter the statistics.
     """
+    check_ddof(ddof)
     rm = _check_group_inputs(rewards, group_ids, record_mask)
     rewards = jnp.asarray(rewards)
     seg = _segments(jnp.asarray(group_ids))
@@ -129,6 +132,13 @@ def grpo_advantages(
         var = sq / jnp.maximum(count - ddof, 1.0)
         centred = centred / (jnp.sqrt(var) + eps)
     return jnp.where(rm > 0, centred, 0.0)
+
+
+def check_ddof(ddof: int) -> None:
+    """The std's delta degrees of freedom: 0 (population) or 1 (sample, verl/TRL/Tunix)."""
+    if isinstance(ddof, bool) or ddof not in (0, 1):
+        raise ValueError(f"ddof (loss.std_ddof) must be 0 (population std) or 1 (sample std), "
+                         f"got {ddof!r}")
 
 
 def dr_grpo_advantages(

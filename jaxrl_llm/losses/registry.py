@@ -4,7 +4,7 @@ Every part of the package that must know something about a loss reads it here �
 validation, the loader (pairs, whole groups, μ), the trainer (what to require, which metrics
 mean something), the train step (micro-batching, the frozen reference model), `score`,
 `curate` and `iterate` — so the taxonomy cannot drift between them. The kernels themselves
-live in `policy_gradient` and `preference`; docs/kernels.md gives each formula and its paper
+live in `policy_gradient` (TOPR), `ppo`, `off_rl` and `preference`; docs/kernels.md gives each formula and its paper
 (TOPR arXiv:2503.14286, FPA arXiv:2509.19893).
 
 Requirements, per loss:
@@ -32,6 +32,7 @@ from functools import partial
 
 import numpy as np
 
+from jaxrl_llm.losses import off_rl, ppo
 from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses import preference as pref
 from jaxrl_llm.losses.types import LossOutput, finite_or_raise
@@ -80,23 +81,23 @@ _SPECS = (
     _topr("reinforce", "−R·log π, no ratio (naive off-policy REINFORCE)", needs_mu=False),
     _topr("opr", "−(π/μ)·R·log π, untruncated importance sampling", needs_mu=True),
     _topr("tis", "−[π/μ]₀¹·R·log π for every record (truncated IS)", needs_mu=True),
-    LossSpec("ppo", pg.ppo_loss, "ppo",
+    LossSpec("ppo", ppo.ppo_loss, "ppo",
              "−min(ρA, clip(ρ, 1±ε)A), ρ = π/μ, A = R − baseline (TOPR eq. 6)", positive="baseline",
              needs_mu=True),
-    LossSpec("grpo", pg.grpo_loss, "group",
+    LossSpec("grpo", ppo.grpo_loss, "group",
              "PPO surrogate, A = (R − mean_group)/std_group (FPA eq. 34–35)", positive="group", needs_mu=True,
              inputs=_GROUP_INPUTS, needs_groups=True),
-    LossSpec("dr_grpo", pg.dr_grpo_loss, "group",
+    LossSpec("dr_grpo", ppo.dr_grpo_loss, "group",
              "PPO surrogate, A = R − mean_group, token sum / max_len (Dr.GRPO)", positive="group",
              needs_mu=True,
              inputs=_GROUP_INPUTS, needs_groups=True),
-    LossSpec("off_rl", pg.off_rl_loss, "off_rl",
+    LossSpec("off_rl", off_rl.off_rl_loss, "off_rl",
              "−R·π(y)^{1/|y|}, length-normalised (FPA eq. 1)", positive="correct",
              inputs=("logp", "mask", "rewards")),
-    LossSpec("off_rl_kl", pg.off_rl_kl_loss, "off_rl",
+    LossSpec("off_rl_kl", off_rl.off_rl_kl_loss, "off_rl",
              "off_rl + τ·KL(π_ref‖π) (FPA eq. 33)", positive="correct",
              inputs=("logp", "ref_logp", "mask", "rewards"), needs_ref=True),
-    LossSpec("fpa", pg.fpa_loss, "fpa",
+    LossSpec("fpa", off_rl.fpa_loss, "fpa",
              "−sg(π̂^{1/|y|})·R·(1/|y|)·log π, π̂ ∝ π^{1+λ}/π_ref^λ (FPA eq. 3)",
              positive="correct", inputs=("logp", "logp_hat", "mask", "rewards"),
              needs_ref_model=True),

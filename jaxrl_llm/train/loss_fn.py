@@ -62,7 +62,7 @@ def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None
         return None
     return grpo_advantages(
         batch.rewards, batch.group_ids, batch.record_mask,
-        scale_by_std=config.loss.name == "grpo",
+        scale_by_std=config.loss.name == "grpo", ddof=config.loss.std_ddof,
     )
 
 
@@ -152,16 +152,24 @@ def _topr_family(spec: LossSpec, x: _Inputs) -> LossOutput:
     lc, b = x.config.loss, x.batch
     return pg.topr_loss(
         x.logp, x.logmu, x.mask, b.rewards, **_topr_bounds(x.config), baseline=lc.baseline,
-        length_norm=lc.length_norm, ratio_level=lc.ratio_level, record_mask=b.record_mask,
+        length_norm=lc.length_norm, ratio_level=lc.ratio_level, aggregation=lc.aggregation,
+        max_len=b.seq_len, record_mask=b.record_mask,
     )
+
+
+def _clip_options(config: ExperimentConfig) -> dict[str, Any]:
+    """PPO/GRPO clip bounds (DAPO clip-higher) and dual clip, as the kernels name them."""
+    lc = config.loss
+    return {"clip_eps": lc.clip_eps, "clip_eps_low": lc.clip_eps_low,
+            "clip_eps_high": lc.clip_eps_high, "dual_clip_c": lc.dual_clip_c}
 
 
 def _ppo(spec: LossSpec, x: _Inputs) -> LossOutput:
     lc, b = x.config.loss, x.batch
     return spec.kernel(
-        x.logp, x.logmu, x.mask, b.rewards, clip_eps=lc.clip_eps, baseline=lc.baseline,
-        ratio_level=lc.ratio_level, aggregation=lc.aggregation, max_len=b.seq_len,
-        record_mask=b.record_mask,
+        x.logp, x.logmu, x.mask, b.rewards, **_clip_options(x.config), baseline=lc.baseline,
+        ratio_level=lc.ratio_level, aggregation=lc.aggregation or "token-mean",
+        max_len=b.seq_len, record_mask=b.record_mask,
     )
 
 
@@ -171,9 +179,10 @@ def _group(spec: LossSpec, x: _Inputs) -> LossOutput:
     if advantages is None:
         advantages = batch_advantages(x.config, b)
     options: dict[str, Any] = {"max_len": b.seq_len, "advantages": advantages,
-                               "record_mask": b.record_mask, "clip_eps": lc.clip_eps}
+                               "record_mask": b.record_mask, **_clip_options(x.config)}
     if spec.name == "grpo":
-        options["aggregation"] = lc.aggregation
+        options["aggregation"] = lc.aggregation or "token-mean"
+        options["std_ddof"] = lc.std_ddof
     return spec.kernel(x.logp, x.logmu, x.mask, b.rewards, b.group_ids, **options)
 
 
