@@ -76,7 +76,7 @@ def read_records(directory: Path) -> list:
 
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory) -> Path:
-    """A working directory holding flow.yaml, the SFT-warmed model `models/sft` and its
+    """A working directory holding flow.yaml, the SFT-warmed model `models/warm` and its
     generated + scored records (the shared first half of every loss's flow)."""
     cwd = tmp_path_factory.mktemp("flow")
     (cwd / "flow.yaml").write_text(FLOW_YAML)
@@ -84,9 +84,9 @@ def flow(tmp_path_factory) -> Path:
           "data.num_prompts=512")
     jaxrl(cwd, "train", "--config", "flow.yaml", "--records", "data/gold", "--no-progress",
           "loss.name=sft", "run_dir=runs/warmup", "train.log_every=50")
-    jaxrl(cwd, "export", "--checkpoint", "runs/warmup/checkpoints", "--out", "models/sft")
+    jaxrl(cwd, "export", "--checkpoint", "runs/warmup/checkpoints", "--out", "models/warm")
     # From here on the config names the warmed model: every later stage reads it.
-    text = FLOW_YAML.replace("model: {source: random,", "model: {source: hf, path: models/sft,")
+    text = FLOW_YAML.replace("model: {source: random,", "model: {source: hf, path: models/warm,")
     (cwd / "flow.yaml").write_text(text)
     jaxrl(cwd, "generate", "--config", "flow.yaml")
     jaxrl(cwd, "score", "--config", "flow.yaml")
@@ -161,7 +161,7 @@ def test_every_loss_trains_through_the_cli(flow, name):
         assert all(r["data/partial_groups"] == 0 for r in rows), rows
         assert all(r["data/whole_groups"] > 0 for r in rows), rows
     jaxrl(flow, "export", "--checkpoint", f"{run}/checkpoints", "--out", f"models/{name}")
-    before, after = safetensors_params(flow / "models/sft"), safetensors_params(flow / f"models/{name}")
+    before, after = safetensors_params(flow / "models/warm"), safetensors_params(flow / f"models/{name}")
     assert before.keys() == after.keys()
     moved = [k for k in before if not np.array_equal(before[k], after[k])]
     assert moved, f"{name}: no parameter moved in {RL_STEPS} steps"
