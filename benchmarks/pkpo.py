@@ -1,6 +1,6 @@
-"""Benchmark: jitted `pkpo.sloo_minus_one` vs direct NumPy transcriptions of SPEC §5.
+"""Benchmark: jitted `pkpo.sloo_minus_one` vs direct NumPy transcriptions of docs/kernels.md § PKPO estimators.
 
-Both baselines transcribe SPEC §5's sorted formulas literally, O(n²) per group: after one
+Both baselines transcribe the sorted formulas of docs/kernels.md § PKPO estimators literally, O(n²) per group: after one
 sort, for every sorted index i they sum over j > i (and, for the leave-one-out
 ρ(g_{−i}, k−1), over j ≠ i) with float64 binomial coefficients.
 - `numpy_direct`: group by group, i by i (the formula as written; the issue's baseline).
@@ -16,7 +16,7 @@ and reports the time per call. Also checks that all three agree.
 
     python benchmarks/pkpo.py [--runs 5] [--groups 1024] [--k 8] [--multithread]
 
-Writes benchmarks/results/pkpo.json and prints a Markdown table. Targets (issue 3): ≥ 100×
+Writes benchmarks/results/pkpo.json and prints a Markdown table. Targets: ≥ 100×
 the NumPy version at n = 64, and JAX time growing no faster than n log n.
 """
 
@@ -54,7 +54,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "pkpo.json"
 
 
 def numpy_sloo_minus_one(g: np.ndarray, k: int) -> np.ndarray:
-    """SPEC §5 transcribed: s_(i) − (k/n) ρ(g_{−i}, k−1) per sorted i, O(n²) per group."""
+    """docs/kernels.md § PKPO estimators transcribed: s_(i) − (k/n) ρ(g_{−i}, k−1) per sorted i, O(n²) per group."""
     groups, n = g.shape
     order = np.argsort(g, axis=1, kind="stable")
     x = np.take_along_axis(g, order, axis=1)
@@ -77,7 +77,7 @@ def numpy_sloo_minus_one(g: np.ndarray, k: int) -> np.ndarray:
 
 
 def numpy_direct_sloo_minus_one(g: np.ndarray, k: int) -> np.ndarray:
-    """SPEC §5 transcribed group by group and index by index (k ≥ 2)."""
+    """docs/kernels.md § PKPO estimators transcribed group by group and index by index (k ≥ 2)."""
     groups, n = g.shape
     comb = scipy.special.comb(np.arange(n + 1)[:, None], np.arange(n + 1)[None, :])
     result = np.empty_like(g)
@@ -185,7 +185,7 @@ def main() -> int:
     }
     result = {
         "benchmark": "pkpo.sloo_minus_one (jit, float32) vs NumPy O(n^2) transcriptions of "
-                     "SPEC §5 (float64): group-by-group (direct) and vectorised over groups",
+                     "docs/kernels.md § PKPO estimators (float64): group-by-group (direct) and vectorised over groups",
         "runs": args.runs,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "load_avg_1min": os.getloadavg()[0],

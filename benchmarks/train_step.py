@@ -1,11 +1,11 @@
 """Train-step throughput: jaxrl_llm's jitted TOPR step vs the same step in PyTorch.
 
 SmolLM2-135M shape (30 layers, d 576, ffn 1536, 9 heads / 3 KV, V 49,152, tied), batch
-8×256, fp32, TOPR loss (000 eq. 11, sequence ratio) with AdamW, on this machine's CPU:
+8×256, fp32, TOPR loss (TOPR arXiv:2503.14286 eq. 11, sequence ratio) with AdamW, on this machine's CPU:
 
-- JAX: `make_train_step` (chunked log-probs, SPEC §1) on a 1-device mesh.
+- JAX: `make_train_step` (chunked log-probs, docs/kernels.md § Token log-probs) on a 1-device mesh.
 - PyTorch: transformers' `LlamaForCausalLM` with the same config, full logits, the same
-  TOPR loss (taper form, SPEC §2), `torch.optim.AdamW`, `torch.set_num_threads(2)`.
+  TOPR loss (taper form, docs/kernels.md § TOPR family), `torch.optim.AdamW`, `torch.set_num_threads(2)`.
 - Peak: this run's jitted fp32 2048×2048 matmul FLOP/s.
 - Bound: the step's matmul FLOPs at XLA's own rate on the step's shapes, alone and plus one
   optimizer pass timed alone, every other op free: the MFU this machine allows the step.
@@ -217,7 +217,7 @@ def setup_torch(args, nb):
         logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
         seq = (logp * mask).sum(-1)
         ell = seq - (mu * mask).sum(-1)
-        # TOPR taper form (SPEC §2): positives a=b=1 → 1 + ℓ; negatives a=0, b=1.
+        # TOPR taper form (docs/kernels.md § TOPR family): positives a=b=1 → 1 + ℓ; negatives a=0, b=1.
         r = torch.exp(ell)
         rho = torch.where(rewards >= 0, 1 + ell, torch.where(r > 1, 1 + ell, r))
         loss = (-rewards * rho / mask.sum(-1)).mean()

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("jaxrl_llm.plan", "compile the train step for a mesh/TPU topology; per-device memory and FLOPs"),
     "data": ("jaxrl_llm.data.cli", "inspect record shards: show | stats | export-jsonl"),
     "generate": ("jaxrl_llm.generate.cli", "sample completions (jax or vllm) and write scored records"),
-    "score": ("jaxrl_llm.generate.score_cli", "write μ per-token log-probs with the trainer's numerics"),
+    "score": ("jaxrl_llm.train.score_cli", "write μ per-token log-probs with the trainer's numerics"),
     "curate": ("jaxrl_llm.data.curate_cli", "select a training set from records (curation, group transforms)"),
     "report": ("jaxrl_llm.eval.report", "PNG plots and a Markdown summary of a run directory"),
     "train": ("jaxrl_llm.train.trainer", "train on scored records; resumes from the latest checkpoint"),

@@ -3,7 +3,7 @@
 Every section is a pydantic model with `extra="forbid"`, so an unknown key or a value of the
 wrong type fails at load time with a `ConfigError` that names the dotted key and the file (or
 the override) it came from. Sections are owned by the part of the package that reads them;
-the defaults here are the papers' (SPEC sections cited per field).
+the defaults here are the papers' (paper sections cited per field).
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ class ModelConfig(Section):
 
 
 class LossConfig(Section):
-    """Which loss kernel and its options (losses/, SPEC §2–5)."""
+    """Which loss kernel and its options (losses/, docs/kernels.md)."""
 
     # A name of `losses.registry.LOSS_SPECS` (checked below against that one table).
     name: str = "topr"
-    # TOPR family truncation bounds (SPEC §2); None means "use the preset named by `name`".
+    # TOPR family truncation bounds (docs/kernels.md § TOPR family); None means "use the preset named by `name`".
     a_pos: float | None = None
     b_pos: float | None = None
     a_neg: float | None = None
@@ -87,7 +87,7 @@ class LossConfig(Section):
     fpa_on: Literal["both", "negatives", "positives"] = "both"
     kl_tau: float = Field(0.04, ge=0)
     # off_rl_kl: exact per-token KL(π_ref‖π_θ) over the vocabulary (needs train.ref_logprobs:
-    # model) instead of the sample estimate logπ_ref(y) − logπ_θ(y) (SPEC §3).
+    # model) instead of the sample estimate logπ_ref(y) − logπ_θ(y) (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL).
     kl_exact: bool = False
     beta: float = Field(0.1, gt=0)
     rpo_alpha: float = 1.0
@@ -236,7 +236,7 @@ class GenerateConfig(Section):
     vllm_logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     tensor_parallel_size: int = Field(1, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    # Score pass (SPEC §0): μ per-token log-probs with the trainer's numerics.
+    # Score pass (docs/architecture.md § Why μ is re-scored): μ per-token log-probs with the trainer's numerics.
     score_batch_size: int = Field(8, gt=0)
     score_output: RunPath | None = Field(None, description="scored record directory (default: <records>-scored)")
     # Score pass: flag sequences whose |Σ log μ_sampler − Σ log μ_trainer| exceeds this (nats);
@@ -246,7 +246,7 @@ class GenerateConfig(Section):
 
 
 class DataConfig(Section):
-    """Task, record shards and curation (data/, tasks/, SPEC §7)."""
+    """Task, record shards and curation (data/, tasks/, TOPR §4.3 and App. D, FPA App. B.1)."""
 
     task: str = "arithmetic"
     task_path: str | None = None
@@ -260,7 +260,7 @@ class DataConfig(Section):
                                 "chat template (instruct models)")
     reward_scheme: Literal["pm1", "01"] = "pm1"
     task_options: dict[str, Any] = Field(default_factory=dict, description="task constructor kwargs")
-    # Curation (SPEC §7): output directory, size, and a group transform applied before training.
+    # Curation (TOPR §4.3 and App. D, FPA App. B.1): output directory, size, and a group transform applied before training.
     curated: RunPath | None = None
     num_records: int | None = Field(None, gt=0)
     hard_power: float = Field(1.0, gt=0)
@@ -288,19 +288,19 @@ class DataConfig(Section):
 
 
 class EvalConfig(Section):
-    """Evaluation (eval/, SPEC §6)."""
+    """Evaluation (eval/, TOPR §4.2, FPA App. B.3)."""
 
     n: int = Field(8, gt=0)
     num_questions: int = Field(100, gt=0)
     maj_k: list[int] = Field(default_factory=lambda: [1, 4])
     bootstrap_trials: int = Field(100, gt=0)
     split: str = "test"
-    # Sampling for evaluation; None = the generate section's value (002 evaluates at T=0.7).
+    # Sampling for evaluation; None = the generate section's value (FPA arXiv:2509.19893 evaluates at T=0.7).
     temperature: float | None = Field(None, ge=0)
     max_new_tokens: int | None = Field(None, gt=0)
     batch_size: int | None = Field(None, gt=0)
     seed: int = 1234
-    verifications: int = Field(4, gt=0)  # per solution, for weighted self-consistency (000 §4.4)
+    verifications: int = Field(4, gt=0)  # per solution, for weighted self-consistency (TOPR arXiv:2503.14286 §4.4)
 
 
 class ExperimentConfig(Section):

@@ -1,4 +1,4 @@
-"""`jaxrl-llm iterate --config X`: iterated off-policy RL (000 §4.3; 001; 003).
+"""`jaxrl-llm iterate --config X`: iterated off-policy RL (TOPR arXiv:2503.14286 §4.3; PKPO (Pass@K Policy Optimization)).
 
 For i = 1..I, with π_0 the configured (or given) model:
 
@@ -9,8 +9,8 @@ Each stage writes under `run_dir/iter_i/` (`records/`, `scored/`, `curated/`, `t
 `export/`, `eval/`) and is recorded in `iter_i/stages.json` when complete; a re-run skips
 completed stages (and the trainer resumes a half-finished `train` from its checkpoint).
 Iteration i samples a fresh slice of `data.num_prompts` prompts, so small iterations (a few
-prompts, a few steps) give the online/iterated set-ups of 001 (RLOO + TOPR: set
-`data.group_transform: rloo`) and 003 (PKPO with k annealed: `iterate.pkpo_k`). The whole loop
+prompts, a few steps) give the online/iterated set-ups of TOPR on Countdown (RLOO + TOPR: set
+`data.group_transform: rloo`) and PKPO (PKPO with k annealed: `iterate.pkpo_k`). The whole loop
 runs in one process; the train step and the sampler compile once.
 """
 
@@ -37,7 +37,7 @@ class IterateSection(Section):
     """The outer loop of `iterate` (and the RL part of `quickstart`)."""
 
     iterations: int = Field(1, gt=0)
-    # PKPO's k per iteration (003 §5.2.2 anneals k, e.g. [8, 8, 4, 1]); the last value
+    # PKPO's k per iteration (PKPO §5.2.2 anneals k, e.g. [8, 8, 4, 1]); the last value
     # repeats. None = `data.pkpo_k` every iteration.
     pkpo_k: list[int] | None = None
     evaluate_initial: bool = True  # evaluate π_0 into iter_0/eval (the "before" numbers)
@@ -114,7 +114,7 @@ def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfi
 
 
 def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path) -> dict[str, Any]:
-    """Training-sample metrics of 003 for iteration `index`: pass@k for every k ≤ n on the
+    """Training-sample metrics of PKPO for iteration `index`: pass@k for every k ≤ n on the
     prompts just sampled, and the cumulative solve rate (fraction of the tasks seen so far
     solved at least once). Appended as one row to `run_dir/metrics.jsonl` (step = the
     global train step at the start of the iteration) and returned."""
@@ -179,7 +179,7 @@ def run_iteration(
     from jaxrl_llm.data.curation import curate_directory
     from jaxrl_llm.data.stages import choose_input, needs_score
     from jaxrl_llm.generate.jax_backend import generate_records
-    from jaxrl_llm.generate.score import score_records
+    from jaxrl_llm.train.score import score_records
     from jaxrl_llm.train.trainer import Trainer
 
     g, d = config.generate, config.data

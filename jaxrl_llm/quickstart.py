@@ -5,9 +5,9 @@
 2. SFT warm start on gold solutions until pass@1 reaches `sft.target_pass_at_1` (checked every
    `sft.eval_every` steps) or `sft.steps` run out — a policy that is right sometimes, so RL
    has positives and negatives to learn from.
-3. One `iterate` iteration (TOPR, 000): generate n samples per prompt with π_0 → reward →
+3. One `iterate` iteration (TOPR arXiv:2503.14286): generate n samples per prompt with π_0 → reward →
    score μ = π_0 → curate → train → checkpoint → HF export → evaluate; π_0 is evaluated first
-   (the "before" row). The baseline c = −0.3 raises the effective positive fraction (000
+   (the "before" row). The baseline c = −0.3 raises the effective positive fraction (TOPR
    eq. 12) from p ≈ 0.22 to ≈ 0.35: with c = 0 the negatives also pulled the positives'
    log-probs down and pass@1 did not move in our runs.
 4. Print a before/after table (pass@1 ± SE, pass@n, maj@K, invalid rate), render the report
@@ -62,7 +62,7 @@ SMOLLM2_OVERRIDES = [
     "run_dir=runs/quickstart-smollm2",
     "model.source=smollm2",
     "data.chat_template=true",  # an instruct model: ask in its ChatML user turn
-    "generate.temperature=0.7", "eval.temperature=0.7",  # 002's sampling; T=1 is mostly noise at 135M/4-bit
+    "generate.temperature=0.7", "eval.temperature=0.7",  # FPA arXiv:2509.19893's sampling; T=1 is mostly noise at 135M/4-bit
     "sft.steps=0",
     "optim.learning_rate=1e-5",
     "train.steps=8", "train.batch_size=8", "train.max_seq_len=160", "train.log_every=2",
@@ -74,7 +74,7 @@ SMOLLM2_OVERRIDES = [
 
 
 class SFTSection(Section):
-    """The SFT warm start of the quickstart (gold solutions, 001/002 style)."""
+    """The SFT warm start of the quickstart (gold solutions, FPA style)."""
 
     steps: int = Field(600, ge=0)
     learning_rate: float = Field(3e-3, gt=0)

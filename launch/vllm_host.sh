@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Generate an offline dataset with vLLM on one GPU host (DESIGN flow: generate on GPUs,
+# Generate an offline dataset with vLLM on one GPU host (docs/architecture.md § The flow: generate on GPUs,
 # train anywhere; records go to a local path or gs:// through etils.epath).
 #
 #   pip install -e '.[vllm]'            # once, on the GPU host (vLLM brings its own torch)

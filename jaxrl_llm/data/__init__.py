@@ -1,4 +1,4 @@
-"""Records, ArrayRecord shards, curation and the grain loader (DESIGN "Records", SPEC §7).
+"""Records, ArrayRecord shards, curation and the grain loader (docs/architecture.md § Contracts; TOPR §4.3 and App. D, FPA App. B.1).
 
     Record / RecordError / validate_record        data.records
     ShardWriter / write_records / RecordSource    data.shards   (manifest.json + shards)

@@ -1,8 +1,8 @@
-"""The training batch: a frozen pytree with explicit names (DESIGN "Batches").
+"""The training batch: a frozen pytree with explicit names (docs/architecture.md § Contracts).
 
 Token arrays are [B, T] rows, aligned to *targets*: position t holds the token predicted at t,
 so `log π(targets[:, t] | inputs[:, :t+1])` is the per-token log-prob and `loss_mask[:, t]` is
-1 exactly on completion tokens (SPEC §0). Per-token log-prob arrays follow the same alignment.
+1 exactly on completion tokens (docs/kernels.md notation). Per-token log-prob arrays follow the same alignment.
 
 Two layouts, told apart by the static `records_per_row` k = len(rewards) / B:
 
@@ -37,7 +37,7 @@ class Batch:
     segment_ids: jax.Array  # [B, T] int32, 0 = padding, 1.. = record within the row
     loss_mask: jax.Array  # [B, T] float32, 1 on completion-token targets
     behavior_logprobs: jax.Array  # [B, T] float32, what the sampler reported (0 where masked)
-    mu_logprobs: jax.Array  # [B, T] float32, re-scored behaviour log-probs (SPEC §0)
+    mu_logprobs: jax.Array  # [B, T] float32, re-scored behaviour log-probs (docs/architecture.md § Why μ is re-scored)
     ref_logprobs: jax.Array  # [B, T] float32, frozen reference model (0 when unused)
     rewards: jax.Array  # [B·k] float32 (k = records_per_row; slot i·k+j = segment j+1 of row i)
     correct: jax.Array  # [B·k] bool
@@ -83,7 +83,7 @@ def records_view(x: jax.Array, segment_ids: jax.Array, records_per_row: int) -> 
 
     `view[i·k + j, t] = x[i, t] · [segment_ids[i, t] == j+1]`: record slot i·k+j sees only its
     own segment's tokens, so a loss kernel's masked sums over a view row are exactly that
-    record's sums (SPEC §0 `log π(y|x)`, `|y|`). Pure and jit-able; the gradient of `x` is
+    record's sums (`log π(y|x)`, `|y|` of docs/kernels.md notation). Pure and jit-able; the gradient of `x` is
     the views' gradients summed back into their segments.
     """
     b, t = x.shape

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def dataset_stats(directory: str) -> dict[str, Any]:
-    """Composition, lengths, rewards, per-group correct counts (000 Fig. 3/4 quantities)."""
+    """Composition, lengths, rewards, per-group correct counts (TOPR arXiv:2503.14286 Fig. 3/4 quantities)."""
     from jaxrl_llm.data.shards import RecordSource
 
     source = RecordSource(directory)

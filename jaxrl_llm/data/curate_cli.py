@@ -1,4 +1,4 @@
-"""`jaxrl-llm curate`: select a training set from records (SPEC §7) and report its composition."""
+"""`jaxrl-llm curate`: select a training set from records (TOPR §4.3 and App. D, FPA App. B.1) and report its composition."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Dataset curation (SPEC §7; 000 §4.3, App. D; 002 App. B.1) and group-level transforms.
+"""Dataset curation (TOPR §4.3 and App. D, FPA App. B.1; TOPR arXiv:2503.14286 §4.3, App. D; FPA arXiv:2509.19893 App. B.1) and group-level transforms.
 
 Selection strategies work on three per-record arrays — `correct`, `group_ids` (and a seed) —
 and return record indices, so they run on the metadata of millions of records. A record is
 *positive* when `correct` (±1 rewards: R = +1). Every selection reports its `Composition`,
-including the effective positive fraction of 000 eq. 12 for the configured baseline `c`.
+including the effective positive fraction of TOPR eq. 12 for the configured baseline `c`.
 
 Group transforms (RLOO, GRPO, PKPO) replace each record's reward by its group-relative
 value before training, keeping the original in `raw_reward`.
@@ -31,7 +31,7 @@ class Composition:
     num_groups: int
     positive_fraction: float
     baseline: float
-    effective_positive_fraction: float  # 000 eq. 12 with `baseline`
+    effective_positive_fraction: float  # TOPR eq. 12 with `baseline`
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -59,7 +59,7 @@ def _need(num: int, available: int, what: str) -> None:
 
 
 def uniform(num_records: int, num: int, seed: int) -> np.ndarray:
-    """N records uniformly without replacement (SPEC §7 'uniform')."""
+    """N records uniformly without replacement (TOPR §4.3 and App. D, FPA App. B.1 'uniform')."""
     _need(num, num_records, "records")
     return np.sort(np.random.default_rng(seed).choice(num_records, num, replace=False))
 
@@ -85,14 +85,14 @@ def target_fraction(correct: np.ndarray, fraction: float, num: int | None, seed:
 
 
 def positives_only(correct: np.ndarray) -> np.ndarray:
-    """Drop negatives (STaR/ReST-style baseline, 000 Fig. 4)."""
+    """Drop negatives (STaR/ReST-style baseline, TOPR Fig. 4)."""
     return np.flatnonzero(correct)
 
 
 def anna_karenina(correct: np.ndarray, group_ids: np.ndarray, num: int | None, seed: int) -> np.ndarray:
     """Per problem keep only its first positive; fill up to `num` with random negatives.
 
-    `num=None` keeps every negative (000 App. D).
+    `num=None` keeps every negative (TOPR App. D).
     """
     correct, group_ids = np.asarray(correct, bool), np.asarray(group_ids)
     pos_idx = np.flatnonzero(correct)
@@ -108,7 +108,7 @@ def anna_karenina(correct: np.ndarray, group_ids: np.ndarray, num: int | None, s
 
 
 def drop_uniform_groups(correct: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
-    """Remove prompts whose samples are all correct or all incorrect (002, after DAPO)."""
+    """Remove prompts whose samples are all correct or all incorrect (FPA, after DAPO)."""
     correct, group_ids = np.asarray(correct, bool), np.asarray(group_ids)
     uniq, inverse = np.unique(group_ids, return_inverse=True)
     pos = np.bincount(inverse, weights=correct, minlength=len(uniq))
@@ -147,7 +147,7 @@ def _largest_remainder(total: int, weights: np.ndarray, caps: np.ndarray) -> np.
 
 def hard_emphasis(correct: np.ndarray, group_ids: np.ndarray, num: int, seed: int,
                   *, power: float = 1.0) -> np.ndarray:
-    """More samples from questions with few positives (000 App. D).
+    """More samples from questions with few positives (TOPR App. D).
 
     Group g with positive rate p_g gets a quota ∝ (1 − p_g + 1/n_g)^power records (capped
     at its size; the 1/n_g keeps all-correct groups represented); records inside a group
@@ -168,8 +168,8 @@ def hard_emphasis(correct: np.ndarray, group_ids: np.ndarray, num: int, seed: in
 def dpo_pairs(correct: np.ndarray, group_ids: np.ndarray, *, seed: int = 0,
               max_pairs_per_prompt: int = 16) -> np.ndarray:
     """(chosen, rejected) record indices: every correct × incorrect pair of a prompt, capped
-    at 16 per prompt (SPEC §4 choice; `losses.preference.make_pairs` over the whole dataset)."""
-    from jaxrl_llm.losses.preference import make_pairs
+    at 16 per prompt (docs/kernels.md § Preference losses choice; `data.pairs.make_pairs` over the whole dataset)."""
+    from jaxrl_llm.data.pairs import make_pairs
 
     return make_pairs(np.asarray(group_ids, np.int64), np.asarray(correct, bool),
                       max_pairs_per_prompt=max_pairs_per_prompt, seed=seed)
@@ -230,7 +230,7 @@ def _grouped(rewards: np.ndarray, group_ids: np.ndarray) -> tuple[np.ndarray, np
 
 def transform_rewards(rewards: Sequence[float], group_ids: Sequence[int], kind: str, *,
                       k: int | None = None, singleton_baseline: float | None = None) -> np.ndarray:
-    """Group-relative rewards: RLOO (001 eq. 2), GRPO / Dr.GRPO (002 eq. 34), PKPO sloo_minus_one (003 eq. 33)."""
+    """Group-relative rewards: RLOO (RLOO, Ahmadian et al. arXiv:2402.14740), GRPO / Dr.GRPO (FPA eq. 34), PKPO sloo_minus_one (PKPO (Pass@K Policy Optimization) eq. 33)."""
     from jaxrl_llm.losses import advantages, pkpo
 
     r = np.asarray(rewards, np.float32)

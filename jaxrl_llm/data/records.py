@@ -1,4 +1,4 @@
-"""The record schema: one record per sampled completion (DESIGN "Records", SPEC §0).
+"""The record schema: one record per sampled completion (docs/architecture.md § Contracts; docs/kernels.md notation).
 
 A record holds token ids (not text) so that training never re-tokenises, the sampler's
 per-token log-probs (processed: after temperature/top-k/top-p, and raw when the backend gives

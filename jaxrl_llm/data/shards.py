@@ -1,4 +1,4 @@
-"""ArrayRecord shards of `Record`s plus a JSON manifest (DESIGN "Records").
+"""ArrayRecord shards of `Record`s plus a JSON manifest (docs/architecture.md § Contracts).
 
 Layout of a record directory (local or `gs://`, through `etils.epath`):
 
@@ -7,7 +7,7 @@ Layout of a record directory (local or `gs://`, through `etils.epath`):
     records-00000.lengths.npy     int32 [n, 2] prompt/completion lengths (cheap length scans)
 
 The manifest records top-k/top-p truncation because it biases any ratio against the
-untruncated distribution (SPEC §0).
+untruncated distribution (docs/architecture.md § Why μ is re-scored).
 """
 
 from __future__ import annotations

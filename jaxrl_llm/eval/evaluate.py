@@ -1,5 +1,5 @@
 """`jaxrl-llm evaluate --model (checkpoint|HF dir) --task T --n N`: sample N completions per
-test question, grade them with the task and write every SPEC §6 number to `eval.json`.
+test question, grade them with the task and write every evaluation number (TOPR §4.2, FPA App. B.3) to `eval.json`.
 
 Also used in-process by `quickstart` and `iterate` (`evaluate_model`), which reuse the
 sampler's compiled program across evaluations of models of the same shape.
@@ -74,7 +74,7 @@ def verify_samples(
     verifications: int, temperature: float, max_new_tokens: int, batch_size: int = 8,
     seed: int = 0,
 ) -> np.ndarray:
-    """Verdicts [Q, n, V] of a generative verifier on every graded solution (000 §4.4).
+    """Verdicts [Q, n, V] of a generative verifier on every graded solution (TOPR arXiv:2503.14286 §4.4).
 
     Each solution is shown to `verifier` with the `verify` task's prompt; each of its V
     sampled verifications gives 1 ("The verdict is correct"), 0 ("... incorrect") or −1 (no
@@ -119,7 +119,7 @@ def evaluate_model(
     verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool = False,
 ) -> tuple[dict[str, Any], Graded]:
     """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
-    (= (model, tokenizer)) also weighted self-consistency (000 §4.4)."""
+    (= (model, tokenizer)) also weighted self-consistency (TOPR §4.4)."""
     graded = sample_and_grade(model, tokenizer, task, problems, n=n, temperature=temperature,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                               chat_template=chat_template)
@@ -200,7 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", default=None, help="name of this evaluation in reports")
     parser.add_argument("--verifier", default=None,
                         help="generative verifier (HF dir or checkpoint): adds weighted "
-                             "self-consistency (000 §4.4)")
+                             "self-consistency (TOPR §4.4)")
     parser.add_argument("--verifications", type=int, default=None,
                         help="verifications per solution (eval.verifications)")
     add_config_arguments(parser)

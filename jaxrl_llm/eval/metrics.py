@@ -1,9 +1,9 @@
-"""Evaluation estimators (SPEC §6): pass@k, pass@1 ± SE, maj@K with bootstrap SE, proportions,
+"""Evaluation estimators (TOPR §4.2, FPA App. B.3): pass@k, pass@1 ± SE, maj@K with bootstrap SE, proportions,
 correct-answer cardinality, weighted self-consistency, cumulative solve rate.
 
 Everything here is host-side numpy on small arrays: one row per question, one column per
 sample. An *answer* is the string extracted from a completion, or `None` when no answer could
-be parsed (an invalid completion, 000 Fig. 3).
+be parsed (an invalid completion, TOPR arXiv:2503.14286 Fig. 3).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class EvalSamples:
 
 
 def pass_at_k_per_question(num_samples: int, num_correct: np.ndarray) -> np.ndarray:
-    """Unbiased pass@k for every k = 1..n (SPEC §6; 003 eq. 3): `1 − C(n−c,k)/C(n,k)`.
+    """Unbiased pass@k for every k = 1..n (TOPR §4.2, FPA App. B.3; PKPO (Pass@K Policy Optimization) eq. 3): `1 − C(n−c,k)/C(n,k)`.
 
     Returns [Q, n] float64 with column k−1 holding pass@k; the estimator is PKPO's
     (`losses.pkpo.pass_at_k`, host float64, overflow-free for any n).
@@ -101,7 +101,7 @@ class MeanSE:
 
 
 def pass_at_1_with_se(correct: np.ndarray, *, ddof: int = 1) -> MeanSE:
-    """pass@1 and its standard error from sample columns (002 eq. 29–30).
+    """pass@1 and its standard error from sample columns (FPA arXiv:2509.19893 eq. 29–30).
 
     `a_j` is the accuracy of the j-th sample column over the questions; pass@1 = mean_j a_j and
     SE = std(a)/√n. **(choice)** std uses `ddof=1` (the sample standard deviation); with a
@@ -115,7 +115,7 @@ def pass_at_1_with_se(correct: np.ndarray, *, ddof: int = 1) -> MeanSE:
 
 
 def vote(answer_ids: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-    """Winning answer id of each row of samples (SPEC §6 majority rule).
+    """Winning answer id of each row of samples (majority rule of TOPR §4.2).
 
     answer_ids: [..., K] in the order the samples appeared; weights: [..., K] (default 1 per
     sample, which makes this the majority vote). The answer with the largest weight sum wins;
@@ -152,7 +152,7 @@ def _winner_correct(ids: np.ndarray, correct: np.ndarray, winners: np.ndarray) -
 
 @dataclass(frozen=True)
 class BootstrapResult:
-    """maj@K (or weighted SC at K) with the bootstrap of 000 §4.2."""
+    """maj@K (or weighted SC at K) with the bootstrap of TOPR §4.2."""
 
     k: int
     mean: float
@@ -176,10 +176,10 @@ def vote_at_k_bootstrap(
     seed: int = 0,
     weights: np.ndarray | None = None,
 ) -> BootstrapResult:
-    """maj@K with bootstrap error bars (000 §4.2; SPEC §6).
+    """maj@K with bootstrap error bars (TOPR §4.2).
 
     Each trial draws, per question, K of the n samples without replacement, votes (weighted by
-    `weights` [Q, n] when given — weighted self-consistency, 000 §4.4), scores the winner, and
+    `weights` [Q, n] when given — weighted self-consistency, TOPR §4.4), scores the winner, and
     averages over questions. `V̂` is the variance of the trial means (ddof=1) and
     SE = sqrt(K V̂ / (n − K)); the paper's error bars are 2 SE.
     """
@@ -218,7 +218,7 @@ def vote_accuracy(samples: EvalSamples, weights: np.ndarray | None = None) -> fl
 
 
 def verifier_scores(verdicts: np.ndarray) -> np.ndarray:
-    """Per-solution score of weighted self-consistency (000 §4.4).
+    """Per-solution score of weighted self-consistency (TOPR §4.4).
 
     verdicts: [Q, n, V] with 1 for a "correct" verdict, 0 for "incorrect", and −1 (or any
     negative) for a verification that could not be parsed, which counts as no vote.
@@ -241,7 +241,7 @@ class Proportions:
 
 
 def proportions(samples: EvalSamples) -> Proportions:
-    """Fractions of all completions that are correct / valid but wrong / invalid (000 Fig. 3)."""
+    """Fractions of all completions that are correct / valid but wrong / invalid (TOPR Fig. 3)."""
     total = samples.correct.size
     correct = int(samples.correct.sum())
     invalid = int((~samples.valid).sum())
@@ -249,13 +249,13 @@ def proportions(samples: EvalSamples) -> Proportions:
 
 
 def cardinality_histogram(correct: np.ndarray) -> np.ndarray:
-    """Number of questions with c correct samples, for c = 0..n (000 Fig. 4, bottom left)."""
+    """Number of questions with c correct samples, for c = 0..n (TOPR Fig. 4, bottom left)."""
     correct = np.asarray(correct, bool)
     return np.bincount(correct.sum(axis=1), minlength=correct.shape[1] + 1)
 
 
 class SolveTracker:
-    """Cumulative solve rate (003 §5.2): fraction of tasks solved at least once so far."""
+    """Cumulative solve rate (PKPO §5.2): fraction of tasks solved at least once so far."""
 
     def __init__(self, num_tasks: int) -> None:
         if num_tasks <= 0:
@@ -294,7 +294,7 @@ def evaluation_summary(
     seed: int = 0,
     verdicts: np.ndarray | None = None,
 ) -> dict[str, object]:
-    """Every SPEC §6 number of one evaluation, as a JSON-ready dict (what `eval.json` holds).
+    """Every evaluation number (TOPR §4.2, FPA App. B.3) of one evaluation, as a JSON-ready dict (what `eval.json` holds).
 
     maj@K values with K > n are skipped (listed under `maj_at_k_skipped`) rather than failing,
     since a config's K list is shared by runs with different n.

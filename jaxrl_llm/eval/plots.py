@@ -109,7 +109,7 @@ def pass_at_k_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path) 
 
 
 def cardinality_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path) -> epath.Path | None:
-    """Questions per number of correct samples (000 Fig. 4), one bar group per evaluation."""
+    """Questions per number of correct samples (TOPR arXiv:2503.14286 Fig. 4), one bar group per evaluation."""
     usable = {label: e["cardinality"] for label, e in evals.items() if e.get("cardinality")}
     if not usable:
         return None
@@ -126,7 +126,7 @@ def cardinality_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path
 
 
 def proportions_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path) -> epath.Path | None:
-    """Stacked correct / incorrect / invalid fractions per evaluation (000 Fig. 3)."""
+    """Stacked correct / incorrect / invalid fractions per evaluation (TOPR Fig. 3)."""
     usable = {label: e["proportions"] for label, e in evals.items() if e.get("proportions")}
     if not usable:
         return None

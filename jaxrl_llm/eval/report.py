@@ -1,9 +1,9 @@
-"""`jaxrl-llm report RUN_DIR`: PNG plots and a Markdown summary of a run (issue 8).
+"""`jaxrl-llm report RUN_DIR`: PNG plots and a Markdown summary of a run.
 
 Reads what the other commands write under the run directory:
 - every `metrics.jsonl` (trainer rows: `{"step": s, metric: value, ...}`); with several
   (SFT, one per `iterate` iteration) each metric is prefixed with its file's directory;
-- every `eval.json` (written by `evaluate`; SPEC §6 numbers), labelled by its `label` field or
+- every `eval.json` (written by `evaluate` numbers), labelled by its `label` field or
   its directory relative to the run directory; one carrying a `step` also contributes a
   point to the accuracy-vs-step plot.
 Writes `report/*.png` and `report/report.md` (or under `--out`).
@@ -25,10 +25,10 @@ SERIES = (
      (r"(^|/)pass_at_1$", r"(^|/)pass_at_1_se$", r"accuracy$", r"solve_rate$")),
     ("loss", "Loss vs step", "loss", (r"(^|/)loss$", r"objective$")),
     # The TOPR-family kernels report log(π/μ) split by sign; FPA π^{1/|y|} by correctness.
-    ("logprob_drift", "Log-prob drift: correct vs incorrect (002 Fig. 2)", "log π − log μ",
+    ("logprob_drift", "Log-prob drift: correct vs incorrect (FPA arXiv:2509.19893 Fig. 2)", "log π − log μ",
      (r"drift", r"log_ratio_mean_(pos|neg)$", r"pi(_hat)?_norm_mean_(correct|incorrect)$")),
     ("clipped_fractions", "Clipped fractions", "fraction of records", (r"clip",)),
-    ("effective_positive_fraction", "Effective positive fraction (000 eq. 12)", "p̃",
+    ("effective_positive_fraction", "Effective positive fraction (TOPR arXiv:2503.14286 eq. 12)", "p̃",
      (r"effective_pos",)),
 )
 

@@ -2,7 +2,7 @@
 
 `generate.backend: jax` runs the project's KV-cache sampler here; `vllm` runs vLLM's
 offline engine (GPU host, `pip install jaxrl_llm[vllm]`; see launch/vllm_host.sh).
-`--gold` writes the task's gold solutions as SFT records instead (001/002 warm start).
+`--gold` writes the task's gold solutions as SFT records instead (warm start as in FPA arXiv:2509.19893).
 """
 
 from __future__ import annotations

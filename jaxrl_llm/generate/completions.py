@@ -1,4 +1,4 @@
-"""Backend-neutral completions -> scored `Record`s (one per completion, SPEC §0).
+"""Backend-neutral completions -> scored `Record`s (one per completion, docs/kernels.md notation).
 
 Both backends (JAX sampler, vLLM) produce `Completion`s; this module decodes them, scores
 them with the task in one batch (so the MATH verifier pool works in parallel) and builds the
@@ -14,6 +14,11 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.data.sampler_info import (  # noqa: F401 (re-exported: the backends' import path)
+    effective_temperature,
+    manifest_sampler_info,
+    sampler_logprob_info,
+)
 from jaxrl_llm.tasks.base import Problem, Task
 
 
@@ -91,7 +96,7 @@ def build_records(
 def gold_records(task: Task, problems: Sequence[Problem], tokenizer: Any, *,
                  eos_token_id: int | None = None, group_offset: int = 0,
                  chat_template: bool = False) -> list[Record]:
-    """Gold solutions as SFT records (001/002 warm start): reward +1, correct, no log-probs."""
+    """Gold solutions as SFT records (warm start as in FPA arXiv:2509.19893): reward +1, correct, no log-probs."""
     records = []
     prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
     ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
@@ -116,38 +121,3 @@ def gold_records(task: Task, problems: Sequence[Problem], tokenizer: Any, *,
 
 def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if isinstance(v, str | int | float | bool) or v is None}
-
-
-# -- what the sampler's log-probs are (manifest flags) ---------------------------------------
-
-
-def effective_temperature(temperature: float) -> float:
-    """The temperature log-probs are computed at: greedy (0) scores as 1, like the trainer."""
-    return float(temperature) if temperature > 0 else 1.0
-
-
-def sampler_logprob_info(*, backend: str, temperature: float, top_k: int, top_p: float,
-                         logprobs_mode: str | None = None) -> dict[str, Any]:
-    """Manifest `extra` flags saying what the sampler's per-token log-probs are.
-
-    - `sampling_truncated`: top-k/top-p were on, so `behavior_logprobs` (the processed
-      log-probs) are those of the truncated, renormalised distribution, not the policy's;
-      `loss.mu_source: sampler` refuses such records.
-    - `raw_logprobs_temperature`: the temperature of `raw_logprobs` — the JAX sampler's are
-      `log_softmax(logits / T)` (T = 1 when greedy); vLLM's `raw_logprobs` mode reports them
-      before any processing, temperature included (T = 1); None when there are none.
-    """
-    if backend == "vllm":
-        raw_t = 1.0 if logprobs_mode == "raw_logprobs" else None
-    else:
-        raw_t = effective_temperature(temperature)
-    return {"sampling_truncated": bool(top_k > 0 or top_p < 1.0), "raw_logprobs_temperature": raw_t}
-
-
-def manifest_sampler_info(manifest: Any) -> dict[str, Any]:
-    """`sampler_logprob_info` of a record manifest: its own flags, or (manifests written before
-    the flags existed) derived from its sampling parameters and backend."""
-    s = manifest.sampling
-    derived = sampler_logprob_info(backend=s.backend, temperature=s.temperature, top_k=s.top_k,
-                                   top_p=s.top_p, logprobs_mode=manifest.extra.get("vllm_logprobs_mode"))
-    return {k: manifest.extra.get(k, v) for k, v in derived.items()}

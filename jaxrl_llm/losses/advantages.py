@@ -1,4 +1,4 @@
-"""Baselines, group-relative advantages and dataset-composition math (SPEC §2–3).
+"""Baselines, group-relative advantages and dataset-composition math (docs/kernels.md § Advantages).
 
 Group representation (one for the whole module): a flat batch of records with
 `group_ids [B]` (any int32 ids; the records of one prompt share an id — exactly
@@ -64,7 +64,7 @@ def group_sizes(group_ids: Array, record_mask: Array | None = None) -> Array:
 
 
 def constant_baseline_advantages(rewards: Array, baseline: float | Array = 0.0) -> Array:
-    """`A = R − c` (000 eq. 9; SPEC §2). `baseline` is a scalar or a per-record [B] array."""
+    """`A = R − c` (TOPR arXiv:2503.14286 eq. 9). `baseline` is a scalar or a per-record [B] array."""
     rewards = jnp.asarray(rewards)
     return rewards - jnp.asarray(baseline, rewards.dtype)
 
@@ -76,7 +76,7 @@ def rloo_advantages(
     *,
     singleton_baseline: float | None = None,
 ) -> Array:
-    """Leave-one-out advantages `A_i = R_i − mean_{j≠i, j∈g(i)} R_j` (001 eq. 2; SPEC §3).
+    """Leave-one-out advantages `A_i = R_i − mean_{j≠i, j∈g(i)} R_j` (RLOO, Ahmadian et al. arXiv:2402.14740).
 
     A group of size 1 has no leave-one-out baseline. With `singleton_baseline=c` such
     records get `R − c`; otherwise concrete (host) inputs raise a ValueError naming the
@@ -109,7 +109,7 @@ def grpo_advantages(
     eps: float = 1e-6,
     ddof: int = 0,
 ) -> Array:
-    """Group-normalised advantages `(R − mean_g R) / (std_g R + eps)` (002 eq. 34; SPEC §3).
+    """Group-normalised advantages `(R − mean_g R) / (std_g R + eps)` (FPA arXiv:2509.19893 eq. 34).
 
     `scale_by_std=False` is Dr.GRPO (centring only). **(choice)** `std` is the population
     standard deviation (`ddof=0`, `sqrt(Σ(R − mean)²/n)`); `ddof=1` is the sample std
@@ -144,7 +144,7 @@ def check_ddof(ddof: int) -> None:
 def dr_grpo_advantages(
     rewards: Array, group_ids: Array, record_mask: Array | None = None
 ) -> Array:
-    """Dr.GRPO advantages: group-mean centring without the std division (SPEC §3)."""
+    """Dr.GRPO advantages: group-mean centring without the std division (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL)."""
     return grpo_advantages(rewards, group_ids, record_mask, scale_by_std=False)
 
 
@@ -158,7 +158,7 @@ def check_group_sizes(
     """Host-side check: every group with a real record has at least `min_size` records.
 
     Raises a ValueError naming the offending group ids (the caller-facing guard for RLOO's
-    `k = 1` case, SPEC §3).
+    `k = 1` case, docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL).
     """
     ids = np.asarray(group_ids)
     rm = np.ones(ids.shape, bool) if record_mask is None else np.asarray(record_mask) > 0
@@ -174,7 +174,7 @@ def check_group_sizes(
 
 
 def effective_positive_fraction(p: float | Array, c: float | Array) -> Array:
-    """Effective fraction of positives under baseline `c`, rewards ±1 (000 eq. 12).
+    """Effective fraction of positives under baseline `c`, rewards ±1 (TOPR eq. 12).
 
     `p̃ = p(1−c) / (1 + (1−2p)c)`; `c = 0` gives `p`, `c = −1` gives 1 (positives only),
     `c = 1` gives 0.
@@ -185,7 +185,7 @@ def effective_positive_fraction(p: float | Array, c: float | Array) -> Array:
 
 
 def baseline_for_fraction(p: float | Array, target: float | Array) -> Array:
-    """Baseline `c` giving effective positive fraction `target` (inverse of 000 eq. 12).
+    """Baseline `c` giving effective positive fraction `target` (inverse of TOPR eq. 12).
 
     `c = (p − p̃) / (p + p̃ − 2 p p̃)`; defined for `0 < p < 1` and `0 ≤ p̃ ≤ 1`.
     """

@@ -94,7 +94,7 @@ def _masked(x: Array, m: Array) -> Array:
 
 
 def sequence_logprob(logp: Array, mask: Array) -> Array:
-    """`log π(y|x) = Σ_t mask_t logπ_t` per record [B] (SPEC §0)."""
+    """`log π(y|x) = Σ_t mask_t logπ_t` per record [B] (docs/kernels.md notation)."""
     m = _token_weights(mask)
     return jnp.sum(_masked(logp, m) * m, axis=-1)
 

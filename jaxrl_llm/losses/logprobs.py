@@ -1,17 +1,17 @@
 """Token log-probs, entropy, FPA log-probs and forward KL without materialising logits.
 
-SPEC §1: for final hidden states `H [B,T,d]` and an unembedding `W [d,V]`,
+docs/kernels.md § Token log-probs: for final hidden states `H [B,T,d]` and an unembedding `W [d,V]`,
 
     logπ_t = z_t[y_t] − logsumexp_v z_t,v        z = H W
 
-and (FPA, 002 eq. 4) `z = (1+λ) H W − λ H_ref W_ref`. The `B×T×V` float32 logits never exist
+and (FPA, FPA arXiv:2509.19893 eq. 4) `z = (1+λ) H W − λ H_ref W_ref`. The `B×T×V` float32 logits never exist
 at once, neither in the forward nor in the backward pass: the vocabulary is processed in
 chunks of `chunk_size` columns with an online logsumexp, and a `jax.custom_vjp` recomputes
 each logit chunk in the backward pass (one extra matmul per logit term) instead of saving it.
 Peak temporary memory is O(B·T·chunk_size) instead of O(B·T·V).
 
 `token_forward_kl_chunked` streams two models' logits through the same chunk loop
-(`_scan_vocab`, `_chunk_logits`) to give the exact per-token KL(π_ref ‖ π_θ) (SPEC §3).
+(`_scan_vocab`, `_chunk_logits`) to give the exact per-token KL(π_ref ‖ π_θ) (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL).
 
 `token_logprobs` and `extrapolated_logprobs` are thin callers of one kernel,
 `_chunked_logprobs`, which evaluates logits of the general form
@@ -377,7 +377,7 @@ def token_logprobs(
     temperature: float | jax.Array = 1.0,
     softcap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Per-token log-probs `logπ_t = z_t[y_t] − logsumexp(z_t)` (SPEC §1), chunked.
+    """Per-token log-probs `logπ_t = z_t[y_t] − logsumexp(z_t)` (docs/kernels.md § Token log-probs), chunked.
 
     Args:
       hidden: final hidden states `[B, T, d]` (float32 or bf16).
@@ -391,7 +391,7 @@ def token_logprobs(
         `4 · B·T·chunk_size` float32 elements instead of the naive `≥ 2 · B·T·V`; V need not
         be a multiple of it.
       return_entropy: also return the per-token entropy `−Σ_v p_v log p_v` (with gradient).
-      temperature: the sampling temperature τ (SPEC §0): `z ← z / τ`; may be traced.
+      temperature: the sampling temperature τ (docs/architecture.md § Why μ is re-scored): `z ← z / τ`; may be traced.
       softcap: Gemma 2's final-logit soft-capping `z ← s·tanh(z / s)`, applied before τ.
 
     Returns:
@@ -426,7 +426,7 @@ def extrapolated_logprobs(
     temperature: float | jax.Array = 1.0,
     softcap: float | None = None,
 ) -> jax.Array:
-    """FPA's extrapolated log-probs `log π̂_t = z_t[y_t] − logsumexp(z_t)` (SPEC §1, 002 eq. 4).
+    """FPA's extrapolated log-probs `log π̂_t = z_t[y_t] − logsumexp(z_t)` (FPA eq. 4).
 
     `z = ((1+λ) cap(H W) − λ cap(H_ref W_ref)) / τ`: the extrapolation acts on each model's
     final logits (soft-capped per model when `softcap` is set, as the model itself would),
@@ -434,7 +434,7 @@ def extrapolated_logprobs(
     `B×T×V` logits exist at once. The reference model may have a different hidden size.
 
     Gradients are exact and flow to all four arrays and to a traced `lam`/`temperature`;
-    FPA's loss (002 eq. 3, SPEC §3) wraps the result in `stop_gradient`, in which case no
+    FPA's loss (FPA eq. 3, docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL) wraps the result in `stop_gradient`, in which case no
     backward pass is built at all.
 
     Args:
@@ -479,7 +479,7 @@ def token_forward_kl_chunked(
 ) -> jax.Array:
     """Exact per-token forward KL `KL(π_ref ‖ π_θ)_t = Σ_v q_t,v (log q_t,v − log p_t,v)`.
 
-    The exact per-token form of the Forward-KL Off-RL regulariser (SPEC §3, 002 eq. 33), fed
+    The exact per-token form of the Forward-KL Off-RL regulariser (FPA eq. 33), fed
     to `off_rl_kl_loss(token_kl=…)`. `p = softmax(cap(H W)/τ)` is the policy and
     `q = softmax(cap(H_ref W_ref)/τ)` the reference, at the same context (position t of both
     hidden-state arrays). Both models' logits are streamed over vocabulary chunks with an

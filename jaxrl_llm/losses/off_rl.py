@@ -48,7 +48,7 @@ def _off_rl_metrics(
     correct: Array,
     rm: Array,
 ) -> dict[str, Array]:
-    """002 Fig. 2/3 quantities: π^{1/|y|}, π̂^{1/|y|}, log π − log π_ref per correctness."""
+    """FPA Fig. 2/3 quantities: π^{1/|y|}, π̂^{1/|y|}, log π − log π_ref per correctness."""
     wc = rm * correct
     wi = rm * (~correct)
     pi_norm = jnp.exp(jnp.minimum(norm_logp, 0.0))
@@ -75,7 +75,7 @@ def _off_rl_metrics(
 
 
 def _ref_diff(logp: Array, ref_logp: Array, m: Array) -> Array:
-    """`log π(y|x) − log π_ref(y|x)` per record (002 Fig. 2's quantity)."""
+    """`log π(y|x) − log π_ref(y|x)` per record (FPA Fig. 2's quantity)."""
     return sequence_logprob(logp, m) - sequence_logprob(ref_logp, m)
 
 
@@ -88,7 +88,7 @@ def off_rl_loss(
     ref_logp: Array | None = None,
     record_mask: Array | None = None,
 ) -> LossOutput:
-    """Off-RL (002 eq. 1; SPEC §3): `L = − R · π(y|x)^{1/|y|} = − R · exp(log π(y|x)/|y|)`.
+    """Off-RL (FPA eq. 1): `L = − R · π(y|x)^{1/|y|} = − R · exp(log π(y|x)/|y|)`.
 
     `correct [B]` (default `R > 0`) and `ref_logp [B, T]` only feed the metrics.
     """
@@ -114,10 +114,10 @@ def fpa_loss(
     ref_logp: Array | None = None,
     record_mask: Array | None = None,
 ) -> LossOutput:
-    """Future Policy Approximation (002 eq. 3; SPEC §3).
+    """Future Policy Approximation (FPA eq. 3).
 
     `w = sg(exp(Σ_t mask_t logπ̂_t / |y|))` with `logπ̂` the extrapolated log-probs of
-    SPEC §1 (`losses.logprobs.extrapolated_logprobs`), `L = − R · w · log π(y|x) / |y|`.
+    docs/kernels.md § Token log-probs (`losses.logprobs.extrapolated_logprobs`), `L = − R · w · log π(y|x) / |y|`.
     `fpa_on` restricts the extrapolation to incorrect (`negatives`) or correct
     (`positives`) records; elsewhere `w = sg(π(y|x)^{1/|y|})`, so those records get exactly
     Off-RL's gradient (as does every record when `logp_hat == logp`, i.e. λ = 0).
@@ -153,7 +153,7 @@ def fpa_loss(
 def kl_token_values(
     logp: Array, ref_logp: Array, kind: Literal["k1", "k2", "k3"] = "k3"
 ) -> Array:
-    """Per-token KL estimators with `δ = [log π_ref − log π_θ]_{−20}^{20}` (SPEC §3).
+    """Per-token KL estimators with `δ = [log π_ref − log π_θ]_{−20}^{20}` (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL).
 
     k1 `−δ`, k2 `δ²/2`, k3 `exp(δ) − 1 − δ`. Unmasked: combine with a mask yourself or use
     `kl_penalty` / `kl_per_record`.
@@ -194,7 +194,7 @@ def kl_penalty(
     max_len: int | None = None,
     record_mask: Array | None = None,
 ) -> LossOutput:
-    """KL(π_θ‖π_ref) estimator as a loss term (SPEC §3): per-token `k(δ)` reduced by
+    """KL(π_θ‖π_ref) estimator as a loss term (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL): per-token `k(δ)` reduced by
     `aggregation` (add `coef · total/weight` to a policy loss)."""
     b, _ = _check_tokens(logp=logp, ref_logp=ref_logp, mask=mask)
     _check_records(b, record_mask=record_mask)
@@ -236,7 +236,7 @@ def off_rl_kl_loss(
     correct: Array | None = None,
     record_mask: Array | None = None,
 ) -> LossOutput:
-    """Forward-KL-regularised Off-RL (002 eq. 33; SPEC §3): `L = L_Off-RL + τ · KL(π_ref‖π_θ)`.
+    """Forward-KL-regularised Off-RL (FPA eq. 33): `L = L_Off-RL + τ · KL(π_ref‖π_θ)`.
 
     The data are samples of π_ref, so per record `KL ≈ Σ_t mask_t (logπ_ref,t − logπ_t)`
     (eq. 31's sample estimate). With `token_kl [B, T]` (the exact per-token forward KL over

@@ -1,10 +1,10 @@
-"""Pass@k / max@k estimators and PKPO reward transforms (SPEC §5; paper 003).
+"""Pass@k / max@k estimators and PKPO reward transforms (docs/kernels.md § PKPO estimators; paper PKPO (Pass@K Policy Optimization)).
 
 Every function takes a group-major reward matrix `rewards [G, n]` (one row per prompt, one
 column per sample) and an optional `mask [G, n]` for ragged groups: masked entries do not
 count in the group size `n_g = Σ_j mask[g, j]` and receive 0. Results are in sample order.
 
-Cost per group is one sort plus prefix/suffix sums, O(n log n) (003 Thm. 5–7). The binomial
+Cost per group is one sort plus prefix/suffix sums, O(n log n) (PKPO Thm. 5–7). The binomial
 ratios never form a binomial coefficient: with sorted 0-based index `i` among the `n_g` valid
 samples,
 
@@ -12,17 +12,17 @@ samples,
 
 (anchored at the top, `w_{n_g−1} = k/n_g` exactly; every factor is in [0, 1], so the
 reverse cumulative product cannot overflow and the large weights carry the fewest roundings),
-and the off-diagonal weight of 003 eq. 21 is `C(j−1, k−2)/C(n_g, k) = w_j (k−1)/j`.
+and the off-diagonal weight of PKPO eq. 21 is `C(j−1, k−2)/C(n_g, k) = w_j (k−1)/j`.
 
 `k` may be a Python/NumPy integer or a (traced) JAX scalar, e.g. an annealing schedule
-(003 §5.2.2 anneals k from 8 to 1): `k` is a dynamic argument of the jitted kernels, so a
+(PKPO §5.2.2 anneals k from 8 to 1): `k` is a dynamic argument of the jitted kernels, so a
 schedule never recompiles. A concrete `k` outside its range is a `ValueError`, and so is a
 concrete `mask` that leaves a non-empty group too small for `k`. Under an outer `jit` such
 inputs cannot be inspected: an out-of-range `k` makes every output 0, and a group too small
 for `k` (or with no valid sample) gets all-zero outputs — no training signal, never NaN.
 
-Baseline of `sloo` (SPEC §5 **(choice)**): the subset-average scaling
-`s_i − (k/n) ρ(g_{−i}, k)` of 003 eq. 29, not the `k/(n−1)` of the paper's listing; both are
+Baseline of `sloo` (docs/kernels.md § PKPO estimators **(choice)**): the subset-average scaling
+`s_i − (k/n) ρ(g_{−i}, k)` of PKPO eq. 29, not the `k/(n−1)` of the paper's listing; both are
 unbiased because the baseline of sample i does not depend on sample i.
 """
 
@@ -191,12 +191,12 @@ def _unsort(values_sorted: Array, rank: Array, mask: Array) -> Array:
 
 
 def _off_diagonal(w: Array, idx: Array, k: Array) -> Array:
-    """C(j−1, k−2)/C(n, k) = w_j (k−1)/j   (003 eq. 21; 0 for j = 0, never used there)."""
+    """C(j−1, k−2)/C(n, k) = w_j (k−1)/j   (PKPO eq. 21; 0 for j = 0, never used there)."""
     return jnp.where(idx >= 1, w * (k - 1.0) / jnp.maximum(idx, 1).astype(k.dtype), 0.0)
 
 
 def _s_sorted(g: Array, idx: Array, n_g: Array, k: Array) -> Array:
-    """s_(i) = w_i g_(i) + Σ_{j>i} C(j−1, k−2)/C(n,k) g_(j)   (SPEC §5, 003 eq. 19–21)."""
+    """s_(i) = w_i g_(i) + Σ_{j>i} C(j−1, k−2)/C(n,k) g_(j)   (PKPO eq. 19–21)."""
     w = _max_weights(idx, n_g, k)
     (suffix,), _ = _exclusive_scans([_off_diagonal(w, idx, k) * g], [])
     return w * g + suffix
@@ -205,7 +205,7 @@ def _s_sorted(g: Array, idx: Array, n_g: Array, k: Array) -> Array:
 def _s_and_rho_loo_sorted(
     g: Array, idx: Array, n_g: Array, k: Array, k_loo: Array
 ) -> tuple[Array, Array]:
-    """s_(i) and ρ(g_{−i}, k_loo) for every sorted i in O(n) (003 Thm. 6–7, eq. 30–34).
+    """s_(i) and ρ(g_{−i}, k_loo) for every sorted i in O(n) (PKPO Thm. 6–7, eq. 30–34).
 
     Removing sample i keeps the sorted indices of j < i and shifts j > i down by one, so
     ρ(g_{−i}) = Σ_{j<i} u_j g_(j) + Σ_{j>i} u_{j−1} g_(j), u_t = C(t, k_loo−1)/C(n_g−1, k_loo).
@@ -254,11 +254,11 @@ def _sloo_minus_one_kernel(rewards: Array, k: Array, mask: Array | None) -> Arra
     rewards, mask = _prepare(rewards, k, mask)
     g, rank, idx, n_g = _sorted(rewards, mask)
     n_f = jnp.maximum(n_g, 1).astype(g.dtype)
-    # k ≥ 2: s_i − (k/n) ρ(g_{−i}, k−1)   (003 eq. 33–34)
+    # k ≥ 2: s_i − (k/n) ρ(g_{−i}, k−1)   (PKPO eq. 33–34)
     k_loo = jnp.maximum(k - 1.0, 1.0)
     s_i, rho_loo = _s_and_rho_loo_sorted(g, idx, n_g, k, k_loo)
     general = s_i - k / n_f * rho_loo
-    # k = 1: plain leave-one-out centring (g_i − mean_{j≠i} g_j)/n   (003 eq. 26)
+    # k = 1: plain leave-one-out centring (g_i − mean_{j≠i} g_j)/n   (PKPO eq. 26)
     loo_mean = (jnp.sum(g, -1, keepdims=True) - g) / jnp.maximum(n_g - 1, 1).astype(g.dtype)
     centred = (g - loo_mean) / n_f
     out = jnp.where(k == 1, centred, general)
@@ -272,36 +272,36 @@ def _sloo_minus_one_kernel(rewards: Array, k: Array, mask: Array | None) -> Arra
 def rho(rewards: Array, k, mask: Array | None = None) -> Array:
     """Unbiased max@k estimate per group, `ρ(g, k) = (1/C(n,k)) Σ_{|S|=k} max_{j∈S} g_j`.
 
-    SPEC §5; 003 eq. 12–14 (sorted form `Σ_i C(i, k−1) g_(i) / C(n, k)`). With 0/1 rewards
-    this is pass@k (003 eq. 3). `rewards [G, n]`, `mask [G, n]` → `[G]`.
+    docs/kernels.md § PKPO estimators; PKPO eq. 12–14 (sorted form `Σ_i C(i, k−1) g_(i) / C(n, k)`). With 0/1 rewards
+    this is pass@k (PKPO eq. 3). `rewards [G, n]`, `mask [G, n]` → `[G]`.
     """
     rewards, k_arr, mask_arr = _check_inputs("rho", rewards, k, mask, min_n=1)
     return _rho_kernel(rewards, k_arr, mask_arr)
 
 
 def s(rewards: Array, k, mask: Array | None = None) -> Array:
-    """Gradient weights `s_i = (1/C(n,k)) Σ_{|S|=k, S∋i} max_{j∈S} g_j` (SPEC §5; 003 eq. 19).
+    """Gradient weights `s_i = (1/C(n,k)) Σ_{|S|=k, S∋i} max_{j∈S} g_j` (docs/kernels.md § PKPO estimators; PKPO eq. 19).
 
-    `Σ_i s_i ∇log π(x_i)` is an unbiased estimate of ∇ max@k (003 Thm. 4). `[G, n]` → `[G, n]`.
+    `Σ_i s_i ∇log π(x_i)` is an unbiased estimate of ∇ max@k (PKPO Thm. 4). `[G, n]` → `[G, n]`.
     """
     rewards, k_arr, mask_arr = _check_inputs("s", rewards, k, mask, min_n=1)
     return _s_kernel(rewards, k_arr, mask_arr)
 
 
 def sloo(rewards: Array, k, mask: Array | None = None) -> Array:
-    """`s_i − (k/n) ρ(g_{−i}, k)`: leave-one-out baseline with the same k (SPEC §5; 003 eq. 29).
+    """`s_i − (k/n) ρ(g_{−i}, k)`: leave-one-out baseline with the same k (docs/kernels.md § PKPO estimators; PKPO eq. 29).
 
     Needs `k ≤ n − 1` (ρ of the n−1 other samples at k). Subset-average scaling k/n (the
-    SPEC §5 choice; the paper's listing uses k/(n−1)). `[G, n]` → `[G, n]`.
+    docs/kernels.md § PKPO estimators choice; the paper's listing uses k/(n−1)). `[G, n]` → `[G, n]`.
     """
     rewards, k_arr, mask_arr = _check_inputs("sloo", rewards, k, mask, min_n=2, k_min_extra=1)
     return _sloo_kernel(rewards, k_arr, mask_arr)
 
 
 def sloo_minus_one(rewards: Array, k, mask: Array | None = None) -> Array:
-    """PKPO's recommended transform: `s_i − (k/n) ρ(g_{−i}, k−1)` for k ≥ 2 (SPEC §5; 003 eq. 33).
+    """PKPO's recommended transform: `s_i − (k/n) ρ(g_{−i}, k−1)` for k ≥ 2 (docs/kernels.md § PKPO estimators; PKPO eq. 33).
 
-    For k = 1 it is leave-one-out centring `(g_i − mean_{j≠i} g_j)/n` (003 eq. 26, the
+    For k = 1 it is leave-one-out centring `(g_i − mean_{j≠i} g_j)/n` (PKPO eq. 26, the
     paper's k = 1 baseline). Needs n ≥ 2. `[G, n]` → `[G, n]`.
     """
     rewards, k_arr, mask_arr = _check_inputs("sloo_minus_one", rewards, k, mask, min_n=2)
@@ -338,7 +338,7 @@ def _comb_ratio_device(a: Array, b: Array, k: Array) -> Array:
 def pass_at_k(n, c, k):
     """Unbiased pass@k from `c` correct out of `n` samples: `1 − C(n−c, k)/C(n, k)`.
 
-    SPEC §5–6; 003 eq. 3. Broadcasts over arrays. NumPy/Python integers are computed in
+    docs/kernels.md § PKPO estimators; PKPO eq. 3. Broadcasts over arrays. NumPy/Python integers are computed in
     float64 on the host with log-beta (returns NumPy); if any argument is a JAX array the
     result stays in JAX (jit-able, default float dtype) and uses the exact product
     Π_{t<k}(n−c−t)/(n−t), a loop of max(k) steps. Concrete inputs with `k > n`, `k < 1`,
@@ -386,7 +386,7 @@ def _binary_kernel(correct: Array, k: Array, mask: Array | None) -> Array:
 
 
 def binary_transform(correct: Array, k, mask: Array | None = None) -> Array:
-    """Closed form of `s` for 0/1 rewards (SPEC §5; 003 §3.2).
+    """Closed form of `s` for 0/1 rewards (docs/kernels.md § PKPO estimators; PKPO §3.2).
 
     Correct samples get `k/n`; incorrect ones `(k/n)(1 − C(n−1−c, k−1)/C(n−1, k−1))`, with c
     the number of correct samples in the group. `correct [G, n]` bool → `[G, n]` float.

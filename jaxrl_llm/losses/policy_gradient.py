@@ -59,7 +59,7 @@ from jaxrl_llm.losses.types import LossOutput
 RatioLevel = Literal["sequence", "token", "geometric"]
 RATIO_LEVELS: tuple[str, ...] = ("sequence", "token", "geometric")
 
-# 000 Table 1 (SPEC §2): truncation limits of each named member of the TOPR family.
+# TOPR Table 1 (docs/kernels.md § TOPR family): truncation limits of each named member of the TOPR family.
 TOPR_PRESETS: dict[str, dict[str, float]] = {
     "sft": {"a_pos": 1.0, "b_pos": 1.0, "a_neg": 0.0, "b_neg": 0.0},
     "reinforce": {"a_pos": 1.0, "b_pos": 1.0, "a_neg": 1.0, "b_neg": 1.0},
@@ -70,7 +70,7 @@ TOPR_PRESETS: dict[str, dict[str, float]] = {
 
 
 def topr_preset(name: str) -> dict[str, float]:
-    """Truncation limits `{a_pos, b_pos, a_neg, b_neg}` of a 000 Table 1 preset."""
+    """Truncation limits `{a_pos, b_pos, a_neg, b_neg}` of a TOPR Table 1 preset."""
     if name not in TOPR_PRESETS:
         raise ValueError(f"unknown TOPR preset {name!r}; choose one of {sorted(TOPR_PRESETS)}")
     return dict(TOPR_PRESETS[name])
@@ -102,7 +102,7 @@ def _check_bounds(**bounds: Scalar) -> None:
             continue
         if not isinstance(a, jax.core.Tracer) and not isinstance(b, jax.core.Tracer):
             if float(a) > float(b):
-                raise ValueError(f"{lo} = {float(a)} must be ≤ {hi} = {float(b)} (SPEC §2)")
+                raise ValueError(f"{lo} = {float(a)} must be ≤ {hi} = {float(b)} (docs/kernels.md § TOPR family)")
 
 
 
@@ -117,7 +117,7 @@ def _log_bounds(a: Scalar, b: Scalar, cap: float) -> tuple[Array, Array]:
 
 
 def taper(log_ratio: Array, log_a: Array, log_b: Array) -> tuple[Array, Array]:
-    """The taper function of 000 eq. 11 evaluated from `ℓ = log x`, and its weight.
+    """The taper function of TOPR eq. 11 evaluated from `ℓ = log x`, and its weight.
 
     With `ℓ_c = [ℓ]_{log a}^{log b}` and `α = exp(ℓ_c) = [x]_a^b`:
 
@@ -243,7 +243,7 @@ def topr_loss(
     (`seq-mean-token-mean` when True, `seq-mean-token-sum` when False).
     `seq-mean-token-sum-norm` divides by the constant `max_len` (default: the padded T).
 
-    Bounds may be traced scalars (schedules, e.g. 001's annealed `τ`); `a = 0` and `b = inf`
+    Bounds may be traced scalars (schedules, e.g. an annealed upper bound `τ`); `a = 0` and `b = inf`
     are exact. Presets: `TOPR_PRESETS` / `topr_preset(name)`.
     Returns `total`, `weight` of the aggregation (records, or tokens for token-mean).
     """

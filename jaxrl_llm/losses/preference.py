@@ -1,15 +1,16 @@
-"""Preference and supervised losses: DPO, RPO, KTO, offline A*-PO, SFT (SPEC §4).
+"""Preference and supervised losses: DPO, RPO, KTO, offline A*-PO, SFT (docs/kernels.md § Preference losses).
 
-Same contract as every kernel (DESIGN "Loss kernels"): per-token arrays `[B, T]` and a
+Same contract as every kernel (docs/kernels.md, top): per-token arrays `[B, T]` and a
 completion mask in, `LossOutput(total, weight, metrics)` out, with loss = `total / weight`.
 
 Inputs shared by all kernels:
 - `logp [B, T]` per-token log-probs of the trained policy, `ref_logp [B, T]` of the frozen
-  reference, `mask [B, T]` 1 on completion tokens (SPEC §0). Values where `mask = 0` are
+  reference, `mask [B, T]` 1 on completion tokens (docs/kernels.md notation). Values where `mask = 0` are
   ignored even if NaN/inf. `log π(y|x) = Σ_t mask_t logp_t`.
 - `record_mask [B]` (optional): 0 for padding rows; padding rows never enter a loss.
 - Pairwise losses take `pair_index [P, 2]` of (chosen row, rejected row) into the batch rows,
-  the layout of `jaxrl_llm.data.batch.Batch.pair_index` (build it with `make_pairs`). A pair
+  the layout of `jaxrl_llm.data.batch.Batch.pair_index` (built on the host by
+  `jaxrl_llm.data.pairs.make_pairs`). A pair
   holding a negative index (`-1`, as `make_pairs(..., pad_to=P)` pads) is padding, and so is
   a pair touching a row with `record_mask = 0`. `weight` = the number of real pairs.
 
@@ -17,7 +18,7 @@ Metrics follow TRL's names where they exist: the implicit reward of a completion
 `β (log π(y) − log π_ref(y))`; `reward_margin` is its chosen − rejected mean and
 `reward_accuracy` the fraction of pairs with Δ > 0.
 
-The FPA substitution (002 eq. 8: DPO on π̂ equals DPO with β(1+λ) on π) holds only in the
+The FPA substitution (FPA arXiv:2509.19893 eq. 8: DPO on π̂ equals DPO with β(1+λ) on π) holds only in the
 contextual-bandit setting, where one softmax covers whole completions; with autoregressive
 per-token normalisers it is approximate (tests/losses/test_preference.py shows both).
 """
@@ -39,7 +40,6 @@ __all__ = [
     "apo_loss",
     "dpo_loss",
     "kto_loss",
-    "make_pairs",
     "rpo_loss",
     "sft_loss",
     "soft_group_values",
@@ -47,7 +47,7 @@ __all__ = [
 
 Array = jax.Array
 
-# Defaults of SPEC §4 (002 App. B.2; 000 §2.3 and §4.3).
+# Defaults of docs/kernels.md § Preference losses (FPA App. B.2; TOPR arXiv:2503.14286 §2.3 and §4.3).
 DPO_BETA = 0.1
 RPO_ALPHA = 1.0
 KTO_BETA = 0.1
@@ -160,7 +160,7 @@ def dpo_loss(
     beta: float | Array = DPO_BETA,
     record_mask: Array | None = None,
 ) -> LossOutput:
-    """DPO: `L = − log σ(β Δ)` per pair (SPEC §4; 002 App. B.2).
+    """DPO: `L = − log σ(β Δ)` per pair (docs/kernels.md § Preference losses; FPA App. B.2).
 
     `Δ = [log π(y_w) − log π_ref(y_w)] − [log π(y_l) − log π_ref(y_l)]`, β = 0.1.
     Returns `total = Σ_pairs L`, `weight = #pairs` (padding pairs excluded).
@@ -183,7 +183,7 @@ def rpo_loss(
     alpha: float | Array = RPO_ALPHA,
     record_mask: Array | None = None,
 ) -> LossOutput:
-    """RPO: `L = L_DPO − α · log π(y_w)/|y_w|` per pair (SPEC §4; 000 §2.3), α = 1.
+    """RPO: `L = L_DPO − α · log π(y_w)/|y_w|` per pair (docs/kernels.md § Preference losses; TOPR §2.3), α = 1.
 
     The length-normalised NLL of the chosen completion counts once per pair it appears in.
     """
@@ -212,7 +212,7 @@ def kto_loss(
     record_mask: Array | None = None,
     z0: Array | None = None,
 ) -> LossOutput:
-    """KTO (SPEC §4; 000 §2.3): `L = λ_y − v` per record.
+    """KTO (docs/kernels.md § Preference losses; TOPR §2.3): `L = λ_y − v` per record.
 
     `r_θ = log π(y) − log π_ref(y)`; `z0 = max(0, mean_batch r_θ)`, detached;
     `v = λ_w σ(β(r_θ − z0))` if correct, `λ_l σ(β(z0 − r_θ))` if not. β = 0.1, λ_w = λ_l = 1.
@@ -259,7 +259,7 @@ def soft_group_values(
     beta1: float | Array = APO_BETA1,
     record_mask: Array | None = None,
 ) -> Array:
-    """A*-PO's per-prompt value `V̂ = β₁ log mean_{i∈group} exp(R_i/β₁)` (SPEC §4), per row [B].
+    """A*-PO's per-prompt value `V̂ = β₁ log mean_{i∈group} exp(R_i/β₁)` (docs/kernels.md § Preference losses), per row [B].
 
     Padding rows (record_mask 0) neither enter a group's value nor get a meaningful one
     (their value is 0). Groups need all their records in this call.
@@ -292,7 +292,7 @@ def apo_loss(
     record_mask: Array | None = None,
     values: Array | None = None,
 ) -> LossOutput:
-    """Offline A*-PO (SPEC §4; 002 App. B.2): `L = (β₂ (log π(y) − log π_ref(y)) − (R − V̂))²`.
+    """Offline A*-PO (docs/kernels.md § Preference losses; FPA App. B.2): `L = (β₂ (log π(y) − log π_ref(y)) − (R − V̂))²`.
 
     `V̂` per prompt from `soft_group_values` (β₁ = 0.5) over the records of this call; pass
     `values [B]` to use values estimated elsewhere (e.g. over the whole offline dataset).
@@ -326,7 +326,7 @@ def sft_loss(
     length_norm: bool = False,
     record_mask: Array | None = None,
 ) -> LossOutput:
-    """SFT on gold or positive completions: `L = − log π(y|x)`, or `/|y|` (SPEC §4).
+    """SFT on gold or positive completions: `L = − log π(y|x)`, or `/|y|` (docs/kernels.md § Preference losses).
 
     Select the records with `record_mask` (e.g. `correct` for positives only).
     Returns `total = Σ L`, `weight = #records`.
@@ -342,76 +342,6 @@ def sft_loss(
         "num_records": jnp.sum(rw),
     }
     return LossOutput(jnp.sum(rw * per_record), jnp.sum(rw), metrics)
-
-
-# ---------------------------------------------------------------- pairing (host side)
-
-
-def make_pairs(
-    group_ids,
-    correct,
-    *,
-    max_pairs_per_prompt: int = MAX_PAIRS_PER_PROMPT,
-    seed: int = 0,
-    record_mask=None,
-    pad_to: int | None = None,
-) -> np.ndarray:
-    """All (correct, incorrect) row pairs within each prompt, capped per prompt (SPEC §4).
-
-    SPEC §4 **(choice)**, 000 §4.3: every correct × incorrect pair of a group, and when a
-    group has more than `max_pairs_per_prompt` (16) a uniform sample of that many without
-    replacement, drawn from a generator seeded by `(seed, group id)` so a prompt's pairs do not
-    depend on the rest of the batch. Groups appear in order of first row; pairs are in row
-    order. Returns `int32 [P, 2]` (chosen row, rejected row); with `pad_to` the result has
-    exactly `pad_to` rows, padded with `-1` (more pairs than `pad_to` is an error).
-    """
-    group_ids = np.asarray(group_ids)
-    correct = np.asarray(correct)
-    if group_ids.ndim != 1:
-        raise ValueError(f"make_pairs: group_ids must have shape [B], got {group_ids.shape}")
-    if correct.shape != group_ids.shape:
-        raise ValueError(
-            f"make_pairs: correct must have the shape of group_ids {group_ids.shape}, "
-            f"got {correct.shape}"
-        )
-    if not np.issubdtype(group_ids.dtype, np.integer):
-        raise ValueError(f"make_pairs: group_ids must be integers, got dtype {group_ids.dtype}")
-    if int(max_pairs_per_prompt) < 1:
-        raise ValueError(f"make_pairs: max_pairs_per_prompt must be ≥ 1, got {max_pairs_per_prompt}")
-    if int(seed) < 0:
-        raise ValueError(f"make_pairs: seed must be a non-negative integer, got {seed}")
-    valid = np.ones(group_ids.shape, bool)
-    if record_mask is not None:
-        record_mask = np.asarray(record_mask)
-        if record_mask.shape != group_ids.shape:
-            raise ValueError(
-                f"make_pairs: record_mask must have shape {group_ids.shape}, got {record_mask.shape}"
-            )
-        valid = record_mask > 0
-    correct = correct.astype(bool)
-    rows = np.flatnonzero(valid)
-    ids, first, inverse = np.unique(group_ids[rows], return_index=True, return_inverse=True)
-    chunks = []
-    for g in np.argsort(first, kind="stable"):
-        members = rows[inverse == g]
-        good, bad = members[correct[members]], members[~correct[members]]
-        if good.size == 0 or bad.size == 0:
-            continue
-        pairs = np.stack(np.meshgrid(good, bad, indexing="ij"), axis=-1).reshape(-1, 2)
-        if len(pairs) > max_pairs_per_prompt:
-            rng = np.random.default_rng([int(seed), int(ids[g]) & 0xFFFFFFFF])
-            keep = np.sort(rng.choice(len(pairs), int(max_pairs_per_prompt), replace=False))
-            pairs = pairs[keep]
-        chunks.append(pairs)
-    out = np.concatenate(chunks).astype(np.int32) if chunks else np.zeros((0, 2), np.int32)
-    if pad_to is not None:
-        if len(out) > pad_to:
-            raise ValueError(
-                f"make_pairs: {len(out)} pairs do not fit pad_to={pad_to}; raise pad_to or lower "
-                f"max_pairs_per_prompt ({max_pairs_per_prompt})"
-            )
-        out = np.concatenate([out, np.full((pad_to - len(out), 2), -1, np.int32)])
-    return out
 
 
 # ---------------------------------------------------------------- registry for the train step

@@ -1,7 +1,7 @@
 """`Decoder`: the Flax NNX decoder-only transformer for every supported family.
 
-Returns final hidden states (after the final norm), per the DESIGN contract; the loss takes
-log-probs from `hidden @ unembedding()` in chunks (SPEC §1). `logits()` is for sampling and
+Returns final hidden states (after the final norm), per docs/architecture.md § Contracts; the loss takes
+log-probs from `hidden @ unembedding()` in chunks (docs/kernels.md § Token log-probs). `logits()` is for sampling and
 tests only.
 
 Inputs

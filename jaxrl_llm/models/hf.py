@@ -6,7 +6,7 @@ One mapping table per family (`hf_layout.tensor_rules`) drives both directions: 
 parameter is built shard by shard from safetensors slices straight into its `NamedSharding`
 (`model_from_state_dict(mesh=...)`). Loading validates everything — the
 architecture, every tensor name (missing and unexpected), every shape — before a model is
-built, so a bad checkpoint never yields a half-loaded model. Export writes safetensors shards
+built, so a bad checkpoint never yields a half-loaded model. Export (`hf_export.py`, re-exported here) writes safetensors shards
 (+ index), `config.json`, `generation_config.json` and tokenizer files that
 `transformers.AutoModelForCausalLM.from_pretrained` and vLLM read. Weights are only ever read and written as safetensors.
 """
@@ -14,14 +14,12 @@ built, so a bad checkpoint never yields a half-loaded model. Export writes safet
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import safetensors
 import safetensors.numpy
@@ -29,6 +27,7 @@ from flax import nnx
 
 from jaxrl_llm.models.config import PARAM_DTYPES, DecoderConfig, UnsupportedConfigError, dtype_name
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.models.hf_export import save_pretrained, state_dict  # the export side, re-exported
 from jaxrl_llm.models.hf_layout import (
     Index,
     Layout,
@@ -37,88 +36,21 @@ from jaxrl_llm.models.hf_layout import (
     normalise_index,
     tensor_rules,
 )
-
-SAFE_INDEX = "model.safetensors.index.json"
-SAFE_SINGLE = "model.safetensors"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json",
+from jaxrl_llm.models.hf_params import (
+    _NP_DTYPES,
+    EXPORT_DTYPES,
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    TOKENIZER_FILES,  # noqa: F401 (re-exported)
+    CheckpointError,
+    _param_variables,
+    _per_layer_shapes,
+    our_params,
 )
+
 # Non-parameter buffers some exporters include; they carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-EXPORT_DTYPES: tuple[str, ...] = tuple(_NP_DTYPES)
 _FLOAT_KINDS = ("float32", "bfloat16", "float16", "float64")
-
-
-class CheckpointError(ValueError):
-    """A Hugging Face checkpoint that does not match what the config says (names the tensor)."""
-
-
-# ---- our parameters as a flat, per-layer dict ------------------------------------------------
-
-
-def _param_variables(model: Decoder) -> dict[str, nnx.Variable]:
-    """Our dotted parameter path (as in the model tree) -> its Variable."""
-    out = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Param):
-            out[".".join(str(p) for p in path)] = node
-    return out
-
-
-def _per_layer_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
-    """Flat per-layer path -> shape, unstacking scanned layer parameters."""
-    c: DecoderConfig = model.config
-    shapes = {}
-    for path, var in _param_variables(model).items():
-        shape = tuple(var.shape)
-        if c.scan_layers and path.startswith("layers."):
-            rest = path[len("layers."):]
-            for i in range(c.num_layers):
-                shapes[f"layers.{i}.{rest}"] = shape[1:]
-        else:
-            shapes[path] = shape
-    return shapes
-
-
-def _to_host(value: jax.Array) -> np.ndarray:
-    """A (possibly sharded, possibly multi-host) array as one numpy array on this host.
-
-    Arrays spread over several processes are all-gathered, so every process must call this
-    (as every process runs the same export code in a multi-controller job)."""
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-    return np.asarray(jax.device_get(value))
-
-
-class _ParamReader:
-    """Flat per-layer path ("layers.3.attn.q") -> numpy array, fetching one Variable at a
-    time from devices (a scanned Variable holds every layer: it is kept until the next one)."""
-
-    def __init__(self, model: Decoder):
-        self.scanned = model.config.scan_layers
-        self.variables = _param_variables(model)
-        self._cached: tuple[str, np.ndarray] | None = None
-
-    def __call__(self, path: str) -> np.ndarray:
-        layer = None
-        if self.scanned and path.startswith("layers."):
-            _, index, rest = path.split(".", 2)
-            path, layer = f"layers.{rest}", int(index)
-        if self._cached is None or self._cached[0] != path:
-            self._cached = (path, _to_host(self.variables[path][...]))
-        value = self._cached[1]
-        return value if layer is None else value[layer]
-
-
-def our_params(model: Decoder) -> dict[str, np.ndarray]:
-    """Flat per-layer numpy parameters ("layers.{i}.attn.q", ...), unstacking a scan."""
-    read = _ParamReader(model)
-    return {path: read(path) for path in _per_layer_shapes(model)}
 
 
 Placer = Callable[[np.ndarray, tuple[str, ...]], jax.Array]
@@ -406,115 +338,6 @@ def load_pretrained(hf_dir: str | Path, *, dtype: Any = None, place: Placer | No
     tensors = _LazySafetensors(_safetensors_files(hf_dir))
     return model_from_state_dict(hf_config, tensors, dtype=dtype, source=str(hf_dir),
                                  place=place, mesh=mesh, rules=rules, **overrides)
-
-
-# ---- export --------------------------------------------------------------------------------
-
-
-def _hf_tensors(model: Decoder, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) in mapping-table order, converted one at a time."""
-    c: DecoderConfig = model.config
-    read = _ParamReader(model)
-    for hf_name, ours, layout in expand_rules(tensor_rules(c), c.num_layers):
-        array = np.ascontiguousarray(layout.to_hf(read(ours)))
-        yield hf_name, array if dtype is None else array.astype(_NP_DTYPES[dtype])
-
-
-def state_dict(model: Decoder, *, dtype: Any = None) -> dict[str, np.ndarray]:
-    """HF-named numpy tensors of `model` (in `dtype`, default the params' dtype)."""
-    if dtype is not None:
-        dtype = dtype_name(dtype, field="dtype", choices=EXPORT_DTYPES)
-    return dict(_hf_tensors(model, dtype))
-
-
-def _plan_shards(model: Decoder, dtype: str, max_shard_bytes: int) -> list[list[str]]:
-    """HF tensor names per shard, from shapes alone (so shard count is known up front)."""
-    c: DecoderConfig = model.config
-    shapes = _per_layer_shapes(model)
-    itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
-    shards: list[list[str]] = [[]]
-    size = 0
-    for hf_name, ours, layout in expand_rules(tensor_rules(c), c.num_layers):
-        nbytes = int(np.prod(layout.hf_shape(shapes[ours]))) * itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(hf_name)
-        size += nbytes
-    return shards
-
-
-def save_pretrained(
-    model: Decoder,
-    out_dir: str | Path,
-    *,
-    tokenizer: Any = None,
-    dtype: Any = None,
-    max_shard_bytes: int = 5 * 1024**3,
-    generation_config: Mapping[str, Any] | None = None,
-) -> Path:
-    """Write a HF directory that transformers and vLLM load.
-
-    Files: `model.safetensors` (or `model-0000k-of-0000n.safetensors` + index when larger than
-    `max_shard_bytes`), `config.json`, `generation_config.json` (token ids from the config,
-    updated by `generation_config`), and tokenizer files: `tokenizer` is an object with
-    `save_pretrained(dir)` (e.g. `PreTrainedTokenizerFast`) or a directory to copy them from.
-    dtype: "float32" / "bfloat16" / "float16"; None = the parameters' dtype.
-    """
-    c: DecoderConfig = model.config
-    # Check the tokenizer argument before writing anything.
-    copied: list[str] = []
-    if isinstance(tokenizer, str | Path):
-        copied = [n for n in TOKENIZER_FILES if (Path(tokenizer) / n).exists()]
-        if not copied:
-            raise CheckpointError(f"tokenizer directory {tokenizer} has none of "
-                                  f"{TOKENIZER_FILES}")
-    elif tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
-        raise TypeError(f"tokenizer must be a directory or have save_pretrained(); got "
-                        f"{type(tokenizer).__name__}")
-    if dtype is not None:
-        dtype = dtype_name(dtype, field="dtype", choices=EXPORT_DTYPES)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    out_dtype = dtype or c.param_dtype
-    for stale in list(out.glob("model*.safetensors")) + [out / SAFE_INDEX]:
-        stale.unlink(missing_ok=True)
-    plan = _plan_shards(model, out_dtype, max_shard_bytes)
-    names = [SAFE_SINGLE] if len(plan) == 1 else [
-        f"model-{k:05d}-of-{len(plan):05d}.safetensors" for k in range(1, len(plan) + 1)]
-    shard_of = {tensor: k for k, shard in enumerate(plan) for tensor in shard}
-    meta = {"format": "pt"}
-    pending: dict[str, np.ndarray] = {}
-    total = 0
-    # Host memory holds one shard at a time (plus the Variable being read).
-    for hf_name, array in _hf_tensors(model, out_dtype):
-        pending[hf_name] = array
-        total += array.nbytes
-        k = shard_of[hf_name]
-        if hf_name == plan[k][-1]:
-            safetensors.numpy.save_file(pending, str(out / names[k]), metadata=meta)
-            pending = {}
-    if len(plan) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {t: names[shard_of[t]] for shard in plan for t in shard}}
-        (out / SAFE_INDEX).write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(c.to_hf(dtype=out_dtype), indent=2))
-    gen = {k: v for k, v in (("bos_token_id", c.bos_token_id),
-                             ("eos_token_id", c.eos_token_id),
-                             ("pad_token_id", c.pad_token_id)) if v is not None}
-    if isinstance(gen.get("eos_token_id"), tuple):
-        gen["eos_token_id"] = list(gen["eos_token_id"])
-    if isinstance(tokenizer, str | Path):
-        src = Path(tokenizer)
-        for name in copied:
-            shutil.copyfile(src / name, out / name)
-        if (src / "generation_config.json").exists() and generation_config is None:
-            gen.update(json.loads((src / "generation_config.json").read_text()))
-    elif tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    gen.update(generation_config or {})
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    return out
 
 
 __all__ = [

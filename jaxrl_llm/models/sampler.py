@@ -9,7 +9,7 @@ with, for every sample, the completion tokens and TWO per-token log-probabilitie
   (greedy) this distribution is a point mass, so `logprobs == 0`.
 * `raw_logprobs` — log-prob under the tempered but *untruncated* policy,
   `log_softmax(logits / T)` (`T = 1` when greedy). This is what a trainer that re-scores with
-  `logits / T` (SPEC §0, `mu_source`) computes, so compare against this one; the two agree
+  `logits / T` (`mu_source`) computes, so compare against this one; the two agree
   exactly when top-k/top-p are off. Temperature is never silently baked in: both say which T.
 
 Shapes are static: prompts are left-padded to a length bucket (`prompt_buckets`, powers of two

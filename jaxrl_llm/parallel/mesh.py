@@ -63,7 +63,7 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     """A `Mesh` with axes ("data", "fsdp", "tensor") over `devices` (default: all devices).
 
     Axes are `AxisType.Auto` (GSPMD propagation): jax 0.10's default Explicit axes make an
-    embedding gather fail with a ShardingTypeError (STACK.md).
+    embedding gather fail with a ShardingTypeError.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(config, len(devices))

@@ -1,4 +1,4 @@
-"""Answer extraction shared by the tasks (SPEC §8). Every function runs in linear time.
+"""Answer extraction shared by the tasks (TOPR §4.1, FPA App. B.1). Every function runs in linear time.
 
 - `answer_after_magic`: GSM8K/arithmetic style, the number after the last "The answer is".
 - `last_boxed`: MATH style, the content of the last `\\boxed{...}` with balanced braces.

@@ -2,7 +2,7 @@
 
 Each problem is a random expression tree over small integers and `+ - *`; the gold solution
 reduces it one operation at a time ("3 + 4 = 7") and ends with "The answer is N." (the GSM8K
-answer format of 000, so the same extraction applies). Problem i of a split depends only on
+answer format of TOPR arXiv:2503.14286, so the same extraction applies). Problem i of a split depends only on
 (seed, split, i), so datasets of any size are reproducible and nested.
 """
 

@@ -1,8 +1,8 @@
-"""The task interface: problems, prompts, gold solutions and reward functions (SPEC §8).
+"""The task interface: problems, prompts, gold solutions and reward functions (TOPR §4.1, FPA App. B.1).
 
 A task turns a `Problem` into a prompt string and scores a completion string into a
-`RewardResult`. Rewards are ±1 by default (000, 002); `reward_scheme="01"` maps them to 0/1
-and tasks may return continuous scores (PKPO, 003).
+`RewardResult`. Rewards are ±1 by default (TOPR arXiv:2503.14286, FPA arXiv:2509.19893); `reward_scheme="01"` maps them to 0/1
+and tasks may return continuous scores (PKPO, PKPO (Pass@K Policy Optimization)).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Problem:
 class RewardResult:
     reward: float
     correct: bool
-    invalid: bool  # no parsable answer (000 Fig. 3)
+    invalid: bool  # no parsable answer (TOPR Fig. 3)
     answer: str | None  # extracted answer, None when invalid
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"timeout": True}
 
@@ -67,7 +67,7 @@ class Task:
         return [self.score(p, c) for p, c in zip(problems, completions, strict=True)]
 
     def gold_completion(self, problem: Problem) -> str | None:
-        """The gold solution as a completion (SFT warm start, 001/002); None if unknown."""
+        """The gold solution as a completion (SFT warm start, as FPA); None if unknown."""
         return problem.solution
 
     def metrics(self) -> dict[str, float]:

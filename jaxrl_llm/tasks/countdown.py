@@ -1,6 +1,6 @@
-"""`countdown` (001, TinyZero prompt format): reach a target from given numbers with + - * /.
+"""`countdown` (TinyZero prompt format, as in the TOPR-on-Countdown set-up): reach a target from given numbers with + - * /.
 
-Reward (SPEC §8): a format term (+1 when the completion has an `<answer>…</answer>` block,
+Reward (TOPR §4.1, FPA App. B.1): a format term (+1 when the completion has an `<answer>…</answer>` block,
 −1 otherwise) plus a validity term (+1 when the answer's equation uses each given number
 exactly once — or at most once with `use_all=False` — and evaluates to the target, −1
 otherwise); so rewards lie in {−2, 0, 2}. `reward_scheme="01"` gives 1 for a valid equation,
@@ -131,7 +131,7 @@ class CountdownTask(Task):
 
     def score(self, problem: Problem, completion: str) -> RewardResult:
         block = extract_answer_block(completion)
-        # 001 writes "(1 + 2) / 3" or "(1 + 2) / 3 = 1": keep only the left-hand side.
+        # Countdown models write "(1 + 2) / 3" or "(1 + 2) / 3 = 1": keep only the left-hand side.
         equation = block.split("=", 1)[0] if block is not None else None
         valid, reason = (False, "no <answer> block") if equation is None else self.check_equation(
             equation, problem.metadata["numbers"], problem.metadata["target"]

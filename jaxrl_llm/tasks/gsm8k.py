@@ -1,7 +1,7 @@
-"""`gsm8k` (000 §4.1): grade-school word problems, 8-shot chain-of-thought prompt.
+"""`gsm8k` (TOPR arXiv:2503.14286 §4.1): grade-school word problems, 8-shot chain-of-thought prompt.
 
 The answer is the number after the magic string "The answer is" (missing -> invalid, reward
-−1); compared numerically after removing commas, `$` and a trailing period (SPEC §8). Rows
+−1); compared numerically after removing commas, `$` and a trailing period (TOPR §4.1, FPA App. B.1). Rows
 are GSM8K-style `{"question": ..., "answer": "steps ... #### 42"}` from a local JSONL/Parquet
 file or `hf://openai/gsm8k:main` when online. The eight exemplars below are our own problems
 written in the format of Wang et al. (2022)'s prompt, not copied from any dataset.

@@ -1,10 +1,10 @@
-"""`math` (000 §4.1, 002): competition problems; answer = the last balanced `\\boxed{…}`.
+"""`math` (TOPR arXiv:2503.14286 §4.1, FPA arXiv:2509.19893): competition problems; answer = the last balanced `\\boxed{…}`.
 
 Equivalence with the gold answer is decided by math-verify in worker processes under a hard
 per-call timeout (`tasks.math_verifier`); timeouts and verifier errors score as incorrect but
 are counted in `metrics()` and reported per completion in `RewardResult.info["verifier"]`.
 Rows: `{"problem", "solution"}` (MATH format; gold = last box of the solution) or
-`{"problem", "answer"}`. The prompt is 002's (Fig. 7).
+`{"problem", "answer"}`. The prompt is FPA's (Fig. 7).
 """
 
 from __future__ import annotations

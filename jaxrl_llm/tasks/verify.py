@@ -1,9 +1,9 @@
-"""`verify` (000 §4.4): a generative verifier trained on existing records.
+"""`verify` (TOPR arXiv:2503.14286 §4.4): a generative verifier trained on existing records.
 
 Each problem is a stored record's question plus its candidate solution and a request for a
 verdict; the gold verdict is the record's own correctness. Reward +1 when the parsed verdict
 matches, −1 otherwise; invalid when no verdict parses. Verdicts feed weighted
-self-consistency at evaluation (SPEC §6).
+self-consistency at evaluation (TOPR §4.2, FPA App. B.3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a training run (issue 7; STACK.md "Orbax").
+"""Orbax checkpoints of a training run .
 
 One checkpoint step directory holds three items, saved together by one `CheckpointManager`:
 
@@ -236,7 +236,7 @@ def restore_model(path: PathLike, *, step: int | None = None, mesh: Any | None =
     from jaxrl_llm.config import ExperimentConfig, MeshConfig
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.state import abstract_train_state
-    from jaxrl_llm.train.trainer import state_items, with_items
+    from jaxrl_llm.train.state_items import state_items, with_items
 
     directory, found = locate(path)
     step = step if step is not None else found

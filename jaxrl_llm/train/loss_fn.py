@@ -1,7 +1,7 @@
 """From the `loss:` config to a kernel call on one (micro-)batch.
 
 The model gives hidden states and its unembedding; this module turns them into per-token
-log-probs with the chunked kernel (SPEC §1, `losses.logprobs`) and calls the loss selected by
+log-probs with the chunked kernel (`losses.logprobs`) and calls the loss selected by
 `LossConfig.name` (`losses.registry.LOSS_SPECS`: kernel, family and required inputs)
 with the `Batch` fields it needs. It returns the kernel's `LossOutput(total, weight,
 metrics)`; the train step sums `total` and `weight` over micro-batches and divides once.
@@ -67,7 +67,7 @@ def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None
 
 
 def _topr_bounds(config: ExperimentConfig) -> dict[str, float]:
-    """Preset bounds of `loss.name` (000 Table 1), overridden by any bound set in the config."""
+    """Preset bounds of `loss.name` (TOPR arXiv:2503.14286 Table 1), overridden by any bound set in the config."""
     bounds = dict(pg.topr_preset(config.loss.name))
     for key in ("a_pos", "b_pos", "a_neg", "b_neg"):
         value = getattr(config.loss, key)

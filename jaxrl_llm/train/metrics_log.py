@@ -1,4 +1,4 @@
-"""Metric rows to `metrics.jsonl` (always) and TensorBoard (tensorboardX) (DESIGN conventions).
+"""Metric rows to `metrics.jsonl` (always) and TensorBoard (tensorboardX) (docs/architecture.md § Contracts).
 
 One row per logging window: `{"step": s, "time": unix seconds, name: value, ...}`. On resume
 from a checkpoint at step s, rows after s (written by the interrupted run past its last

@@ -1,13 +1,13 @@
 """optax optimizers, learning-rate schedules and clipping from the `optim:` config section.
 
-- Adafactor: TOPR's choice (000 §4.3); optax's T5X-style defaults (factored second moment,
+- Adafactor: TOPR's choice (TOPR arXiv:2503.14286 §4.3); optax's T5X-style defaults (factored second moment,
   update clipping at RMS 1, parameter-scale multiplication off so `learning_rate` is the step).
-- AdamW: FPA's (002 App. B), decoupled weight decay.
+- AdamW: FPA's (FPA arXiv:2509.19893 App. B), decoupled weight decay.
 - SGD: for tests and ablations.
 
 Schedules: `constant`, `warmup_constant` (linear 0 → lr over `warmup_steps`, then flat) and
 `warmup_cosine` (linear warm-up then cosine decay to `end_lr_ratio · lr` at `decay_steps`,
-default `train.steps`). Global-norm clipping (`clip_norm`: 1.0 in 000, 10 in 002) runs first.
+default `train.steps`). Global-norm clipping (`clip_norm`: 1.0 in TOPR, 10 in FPA) runs first.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ import math
 from etils import epath
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import MANIFEST_NAME, Manifest, read_manifest
-from jaxrl_llm.generate.completions import effective_temperature, manifest_sampler_info
-from jaxrl_llm.generate.score import REF_TEMPERATURE
 from jaxrl_llm.losses.registry import loss_spec
+from jaxrl_llm.train.score import REF_TEMPERATURE
 
 
 def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> ExperimentConfig:

@@ -182,7 +182,7 @@ def abstract_train_state(
         model = factory()
         return _unsharded_state(config, model, tx.init)
 
-    # Model and optimizer state in one eval_shape (STACK.md: an optimizer made from an
+    # Model and optimizer state in one eval_shape (an optimizer made from an
     # already-abstract model under an Auto mesh fails).
     with nnx.use_eager_sharding(False):
         shapes = nnx.eval_shape(make)

@@ -1,6 +1,6 @@
 """The train step: one pure function `train_step(state, batch) -> (state, metrics)`, jitted
 once with explicit in/out shardings on the ("data", "fsdp", "tensor") mesh and donating the
-state (DESIGN "Contracts").
+state (docs/architecture.md § Contracts).
 
 One step:
 1. Split the batch into `train.batch_size / train.micro_batch_size` micro-batches (contiguous
@@ -16,7 +16,7 @@ One step:
    `stop_gradient`, with its parameters sharded like the policy's.
 4. Non-finite loss or gradient norm: the update is skipped (params, optimizer state and step
    unchanged) and `metrics["update_skipped"] = 1`; we never train on NaN.
-5. `train.grad_norm_by_sign` (issue 8, 002 Fig. 2's positive/negative split): the same
+5. `train.grad_norm_by_sign` (FPA arXiv:2509.19893 Fig. 2's positive/negative split): the same
    micro-batch scan also takes the gradients of the loss restricted to positive and to
    negative records (`record_mask` zeroed on the others, see `positive_records`), both
    divided by the full batch's Σ weight. Every loss it allows is a `record_mask`-weighted sum

@@ -1,4 +1,4 @@
-"""The trainer: a thin loop around the one jitted `train_step` (issue 7; DESIGN "The flow").
+"""The trainer: a thin loop around the one jitted `train_step` (docs/architecture.md § The flow).
 
     records (grain BatchLoader) ─▶ global sharded Batch ─▶ train_step ─▶ metrics window
           ▲                                                   │
@@ -33,6 +33,7 @@ from etils import epath
 from jaxrl_llm.config import ExperimentConfig, dump_config
 from jaxrl_llm.paths import PathLike, as_path
 from jaxrl_llm.train.preemption import StopSync
+from jaxrl_llm.train.state_items import STATE_FIELDS, state_items, with_items  # noqa: F401 (re-exported)
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect of a job stopped by SIGTERM
 
@@ -46,19 +47,6 @@ StepHook = Callable[[int, "Trainer"], None]
 # Kernel metrics that compare π with μ: meaningless (μ = 0) when the loss reads no μ
 # (`LossSpec.needs_mu` false in losses/registry.py).
 RATIO_METRICS = ("loss/log_ratio", "loss/ess", "loss/clip_frac")
-
-STATE_FIELDS = ("step", "params", "opt_state", "model_state", "rng", "ref_params")
-
-
-def state_items(state: Any) -> dict[str, Any]:
-    """The arrays of a `TrainState` that a checkpoint holds (static fields are rebuilt)."""
-    return {name: getattr(state, name) for name in STATE_FIELDS
-            if getattr(state, name) is not None}
-
-
-def with_items(state: Any, items: Mapping[str, Any]) -> Any:
-    return state.replace(**dict(items))
-
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -173,10 +161,10 @@ class Trainer:
         import jax
         from tqdm.auto import tqdm
 
-        from jaxrl_llm.eval.window import MetricWindow
         from jaxrl_llm.losses.types import finite_or_raise
         from jaxrl_llm.parallel.distributed import global_batch
         from jaxrl_llm.train.metrics_log import MetricsLogger
+        from jaxrl_llm.train.window import MetricWindow
 
         cfg = self.config.train
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,8 @@ def main() -> None:
 
     initialize(f"127.0.0.1:{port}", 2, process_id)
     from jaxrl_llm.config import MeshConfig
-    from jaxrl_llm.generate.score import make_scorer, score_records
     from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.train.score import make_scorer, score_records
 
     assert jax.process_count() == 2 and len(jax.devices()) == 8
     mesh = make_mesh(MeshConfig(data=MESH[0], fsdp=MESH[1], tensor=MESH[2]))

@@ -60,7 +60,7 @@ def test_data_stats_curate_and_train_name_the_file(truncated, tmp_path, capsys):
 
 
 def test_score_names_the_file(truncated, tmp_path):
-    from jaxrl_llm.generate.score import score_records
+    from jaxrl_llm.train.score import score_records
 
     # the records are opened before the model is touched
     with pytest.raises(RecordError, match=str(truncated / BAD)):

@@ -12,10 +12,10 @@ from jaxrl_llm.data.shards import RecordSource, read_manifest, read_records
 from jaxrl_llm.generate.completions import gold_records
 from jaxrl_llm.generate.jax_backend import generate_records
 from jaxrl_llm.generate.loading import char_tokenizer
-from jaxrl_llm.generate.score import score_records
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.tasks import get_task
+from jaxrl_llm.train.score import score_records
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +203,8 @@ def naive_mu(model, record, temperature: float) -> np.ndarray:
 @pytest.mark.parametrize("shape", [(2, 4, 1), (1, 4, 2)])
 def test_score_on_the_training_mesh_equals_naive_logprobs(setup, tmp_path, shape):
     from jaxrl_llm.config import ConfigError, MeshConfig
-    from jaxrl_llm.generate.score import make_scorer
     from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.train.score import make_scorer
 
     model, *_, root = setup
     mesh = make_mesh(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]))

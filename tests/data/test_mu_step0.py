@@ -17,7 +17,7 @@ import pytest
 from jaxrl_llm.config import config_from_dict
 from jaxrl_llm.generate.jax_backend import generate_records
 from jaxrl_llm.generate.loading import model_and_tokenizer, task_from_config
-from jaxrl_llm.generate.score import score_records
+from jaxrl_llm.train.score import score_records
 from jaxrl_llm.train.trainer import Trainer
 
 SAMPLING_T = 0.7

@@ -13,10 +13,10 @@ from jaxrl_llm.config import ConfigError, config_from_dict
 from jaxrl_llm.data.loader import collate, record_row
 from jaxrl_llm.data.records import Record, RecordError
 from jaxrl_llm.data.shards import SamplingInfo, read_manifest, read_records, write_records
-from jaxrl_llm.generate.score import score_records
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.train.preflight import check_records
+from jaxrl_llm.train.score import score_records
 
 from .helpers import make_records
 

@@ -10,9 +10,9 @@ import pytest
 
 from jaxrl_llm.config import ConfigError, config_from_dict
 from jaxrl_llm.data.shards import SamplingInfo, read_manifest, read_records, write_records
-from jaxrl_llm.generate.mismatch import MISMATCH_STATS, Mismatch
-from jaxrl_llm.generate.score import score_records
+from jaxrl_llm.train.mismatch import MISMATCH_STATS, Mismatch
 from jaxrl_llm.train.preflight import check_records
+from jaxrl_llm.train.score import score_records
 
 from .helpers import make_records
 from .test_ref_logprobs import VOCAB, numpy_logprobs, tiny_model

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_llm.data.pairs import make_pairs
 from jaxrl_llm.losses.preference import (
     PREFERENCE_LOSSES,
     apo_loss,
     dpo_loss,
     kto_loss,
-    make_pairs,
     rpo_loss,
     sft_loss,
     soft_group_values,

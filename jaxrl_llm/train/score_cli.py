@@ -1,4 +1,4 @@
-"""`jaxrl-llm score`: write μ (sampling T) and π_ref (T = 1) per-token log-probs (SPEC §0).
+"""`jaxrl-llm score`: write μ (sampling T) and π_ref (T = 1) per-token log-probs (docs/architecture.md § Why μ is re-scored).
 
 Prints the sampler-vs-trainer mismatch report (also in the output manifest's
 `extra.score_metrics`); `generate.max_mismatch` / `generate.drop_mismatched` flag or drop
@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.data.stages import scored_directory, stage_input
-    from jaxrl_llm.generate.score import score_records
     from jaxrl_llm.models.loading import load_model
     from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.train.score import score_records
 
     config = load_config(args.config, args.overrides)
     # data/stages.py: reads data.records, writes generate.score_output or <records>-scored.

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.generate.completions import effective_temperature, manifest_sampler_info
+from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 
 # -- mismatch metrics ----------------------------------------------------------------------
 

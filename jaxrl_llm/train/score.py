@@ -1,4 +1,4 @@
-"""The score pass (SPEC §0): μ and π_ref per-token log-probs of every record, trainer numerics.
+"""The score pass (docs/architecture.md § Why μ is re-scored): μ and π_ref per-token log-probs of every record, trainer numerics.
 
 One forward pass of the initial policy over the records gives, from the same hidden states,
 `jaxrl_llm.losses.logprobs.token_logprobs` at the sampling temperature (`logits / T`, with
@@ -21,7 +21,7 @@ padding with all-padding batches, and write their own output shards. After a bar
 0 writes the manifest.
 
 When the sampler's log-probs are present the sampler-vs-trainer mismatch is reported
-(`generate.mismatch`: per-token |Δ log p| and |Δp|, k3 KL, χ², ESS, Pearson correlation of
+(`train.mismatch`: per-token |Δ log p| and |Δp|, k3 KL, χ², ESS, Pearson correlation of
 the log-probs) over all processes' records, identical on every process, and written to the
 output manifest; `max_mismatch` flags or drops sequences beyond a bound.
 """
@@ -40,12 +40,12 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxrl_llm.config import ConfigError, MeshConfig
-from jaxrl_llm.data.loader import collate, record_row
+from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import Manifest, RecordSource, write_manifest, write_shard
-from jaxrl_llm.generate.completions import effective_temperature, manifest_sampler_info
-from jaxrl_llm.generate.mismatch import NUM_MISMATCH_STATS, Mismatch, compared_logprobs
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards, make_mesh
+from jaxrl_llm.train.mismatch import NUM_MISMATCH_STATS, Mismatch, compared_logprobs
 
 BATCH_SIZE_KEY = "generate.score_batch_size"
 # π_ref's log-probs are the policy's own distribution: DPO (arXiv:2305.18290), KTO
@@ -107,7 +107,7 @@ def process_rows(mesh: Mesh, batch_size: int) -> int:
 class Scorer:
     """`(inputs, targets, positions, segment_ids) -> (mu, ref)` log-probs of this process's rows.
 
-    `mu` is at the scoring `temperature` (μ, SPEC §0) and `ref` at temperature 1 — the model
+    `mu` is at the scoring `temperature` (μ, docs/architecture.md § Why μ is re-scored) and `ref` at temperature 1 — the model
     scored is the initial policy, i.e. the reference π_ref of the KL/preference losses —
     both from the same forward pass (the same hidden states, two log-softmaxes; one when
     the temperature is 1). The parameters live on `mesh` with the trainer's sharding rules
@@ -156,7 +156,7 @@ class Scorer:
 
 def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh: Mesh | None = None,
                 devices: Sequence[Any] | None = None) -> Scorer:
-    """A `Scorer` for `model` on `mesh` (SPEC §0).
+    """A `Scorer` for `model` on `mesh` (docs/architecture.md § Why μ is re-scored).
 
     `mesh` is normally the training mesh (`parallel.mesh.make_mesh(config.mesh)`); without
     one, `devices` gives a data-parallel mesh over them, and neither gives `default_mesh()`.
@@ -212,7 +212,7 @@ def _plan(manifest: Manifest, lengths: np.ndarray, out: epath.Path, local_rows: 
     """This process's share: input shard i goes to process i mod P; finished shards skipped."""
     counts = [int(s["count"]) for s in manifest.shards]
     starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    row_len = lengths.sum(axis=1) - 1  # model input length of each record (SPEC §0 alignment)
+    row_len = lengths.sum(axis=1) - 1  # model input length of each record (docs/architecture.md § Why μ is re-scored alignment)
     plan = _Plan([], [], [], 0)
     for s in range(jax.process_index(), len(counts), jax.process_count()):
         if (out / manifest.shards[s]["path"]).exists():  # written whole, then renamed: complete
@@ -321,7 +321,7 @@ def score_records(
     drop_mismatched: bool = False,
 ) -> dict[str, float]:
     """Write `in_dir`'s records with `mu_logprobs` and `ref_logprobs` to `out_dir`; returns
-    the sampler-vs-trainer mismatch metrics (`generate.mismatch.Mismatch`).
+    the sampler-vs-trainer mismatch metrics (`train.mismatch.Mismatch`).
 
     `mu_logprobs` are at `temperature` (None: the manifest's sampling temperature; greedy
     data: 1), `ref_logprobs` at T = 1 (`REF_TEMPERATURE`), from the same forward pass of

@@ -1,0 +1,130 @@
+"""Records -> batch rows -> fixed-shape `Batch`es (padded rows, or packed rows).
+
+Row alignment (data/batch.py): a record's tokens `x = prompt + completion` (length L) give a
+row of length L−1 with `inputs = x[:-1]`, `targets = x[1:]`; completion token j is the target
+at position P−1+j, where `loss_mask` is 1 and the per-token log-prob arrays are placed.
+`data/loader.py` (the grain pipeline) and the score pass both build their batches here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.data.batch import Batch, empty_pairs
+from jaxrl_llm.data.records import Record, RecordError
+
+# Row arrays copied from `record_row` into a batch row (positions/segment ids are derived).
+_TOKEN_KEYS = ("inputs", "targets", "loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")
+__all__ = ["collate", "collate_packed", "record_row"]
+
+
+def record_row(record: Record, *, require_mu: bool = False, require_ref: bool = False,
+               where: str = "record") -> dict[str, Any]:
+    """One record as unpadded row arrays of length L−1 (the row alignment above).
+
+    A missing per-token array is placed as zeros; `require_mu` / `require_ref` make a missing
+    `mu_logprobs` / `ref_logprobs` an error instead (a loss reading them must never see 0).
+    """
+    p, c = record.prompt_ids.size, record.completion_ids.size
+    tokens = np.concatenate([record.prompt_ids, record.completion_ids])
+    n = tokens.size - 1
+    loss_mask = np.zeros(n, np.float32)
+    loss_mask[p - 1 :] = 1.0
+
+    def place(values: np.ndarray | None) -> np.ndarray:
+        row = np.zeros(n, np.float32)
+        if values is not None:
+            row[p - 1 :] = values
+        return row
+
+    if require_mu and record.mu_logprobs is None and c:
+        raise RecordError(f"{where}: no mu_logprobs; run `jaxrl-llm score` first (loss.mu_source=trainer)")
+    if require_ref and record.ref_logprobs is None and c:
+        raise RecordError(f"{where}: no ref_logprobs; run `jaxrl-llm score` (it writes them) or set "
+                          "train.ref_logprobs=model")
+    return {
+        "inputs": tokens[:-1], "targets": tokens[1:], "loss_mask": loss_mask,
+        "behavior_logprobs": place(record.behavior_logprobs), "mu_logprobs": place(record.mu_logprobs),
+        "ref_logprobs": place(record.ref_logprobs),
+        "reward": np.float32(record.reward), "correct": record.correct, "group_id": record.group_id,
+        "record_mask": np.float32(1.0),
+    }
+
+
+def _padding_row() -> dict[str, Any]:
+    return {"inputs": np.zeros(0, np.int32), "reward": np.float32(0.0), "correct": False,
+            "group_id": -1, "record_mask": np.float32(0.0)}
+
+
+def collate(rows: Sequence[dict[str, Any]], batch_size: int, lengths: Sequence[int], *,
+            pairs: bool = False) -> Batch:
+    """Stack rows into a `Batch` of `batch_size` rows, right-padded to the smallest fitting length.
+
+    With `pairs`, rows (2i, 2i+1) are a (chosen, rejected) pair and `pair_index` is
+    `data.pairs.make_pairs` over the batch, padded with −1 to `batch_size / 2` pairs.
+    """
+    longest = max((r["inputs"].size for r in rows), default=0)
+    t = next((n for n in lengths if n >= longest), None)
+    if t is None:
+        raise RecordError(f"a row of length {longest} exceeds the longest bucket {lengths[-1]}")
+    out, per_record = _blank_arrays(batch_size, t, batch_size)
+    for i, row in enumerate(rows):
+        _place(out, per_record, row, i, slice(0, row["inputs"].size), segment=1, slot=i)
+    pair_index = empty_pairs()
+    if pairs:
+        from jaxrl_llm.data.pairs import make_pairs
+
+        pair_index = make_pairs(per_record["group_ids"], per_record["correct"],
+                                record_mask=per_record["record_mask"], pad_to=batch_size // 2)
+    return Batch(**out, **per_record, pair_index=pair_index)
+
+
+def collate_packed(rows: Sequence[Sequence[dict[str, Any]]], batch_size: int, max_len: int,
+                   records_per_row: int) -> Batch:
+    """A packed `Batch` (data/batch.py): `rows[i]` are the records of row i, in segment order.
+
+    Row i holds its records back to back from position 0, record j with `segment_ids` j+1 and
+    positions 0..n−1; its per-record fields go to slot `i·k + j` of the [B·k] arrays. Missing
+    rows and slots are padding (`record_mask` 0, all masks 0, group id −1).
+    """
+    b, k = batch_size, records_per_row
+    if len(rows) > b:
+        raise RecordError(f"collate_packed: {len(rows)} rows for a batch of {b}")
+    out, per_record = _blank_arrays(b, max_len, b * k)
+    for i, records in enumerate(rows):
+        if len(records) > k:
+            raise RecordError(f"collate_packed: row {i} has {len(records)} records > records_per_row={k}")
+        start = 0
+        for j, row in enumerate(records):
+            end = start + row["inputs"].size
+            if end > max_len:
+                raise RecordError(f"collate_packed: row {i} needs {end} tokens > max_len={max_len}")
+            _place(out, per_record, row, i, slice(start, end), segment=j + 1, slot=i * k + j)
+            start = end
+    return Batch(**out, **per_record, pair_index=empty_pairs())
+
+
+def _blank_arrays(rows: int, length: int, records: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """All-padding token arrays [rows, length] and per-record arrays [records]."""
+    out = {k: np.zeros((rows, length), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+    out.update({k: np.zeros((rows, length), np.float32)
+                for k in ("loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")})
+    per_record = {"rewards": np.zeros(records, np.float32), "correct": np.zeros(records, bool),
+                  "group_ids": np.full(records, -1, np.int32), "record_mask": np.zeros(records, np.float32)}
+    return out, per_record
+
+
+def _place(out: dict[str, np.ndarray], per_record: dict[str, np.ndarray], row: dict[str, Any], i: int,
+           span: slice, *, segment: int, slot: int) -> None:
+    """Write one `record_row` into batch row i at `span` (segment id `segment`) and record `slot`."""
+    n = span.stop - span.start
+    if n:
+        for key in _TOKEN_KEYS:
+            out[key][i, span] = row[key]
+        out["positions"][i, span] = np.arange(n)
+        out["segment_ids"][i, span] = segment
+    per_record["rewards"][slot], per_record["correct"][slot] = row["reward"], row["correct"]
+    per_record["group_ids"][slot], per_record["record_mask"][slot] = row["group_id"], row["record_mask"]
