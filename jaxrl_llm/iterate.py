@@ -1,4 +1,4 @@
-"""`jaxrl-llm iterate --config X`: iterated off-policy RL (TOPR arXiv:2503.14286 §4.3; PKPO (Pass@K Policy Optimization)).
+"""`jaxrl-llm iterate --config X`: iterated off-policy RL (TOPR arXiv:2503.14286 §4.3; PKPO arXiv:2505.15201).
 
 For i = 1..I, with π_0 the configured (or given) model:
 

@@ -230,7 +230,7 @@ def _grouped(rewards: np.ndarray, group_ids: np.ndarray) -> tuple[np.ndarray, np
 
 def transform_rewards(rewards: Sequence[float], group_ids: Sequence[int], kind: str, *,
                       k: int | None = None, singleton_baseline: float | None = None) -> np.ndarray:
-    """Group-relative rewards: RLOO (RLOO, Ahmadian et al. arXiv:2402.14740), GRPO / Dr.GRPO (FPA eq. 34), PKPO sloo_minus_one (PKPO (Pass@K Policy Optimization) eq. 33)."""
+    """Group-relative rewards: RLOO (RLOO, Ahmadian et al. arXiv:2402.14740), GRPO / Dr.GRPO (FPA eq. 34), PKPO sloo_minus_one (PKPO arXiv:2505.15201 eq. 33)."""
     from jaxrl_llm.losses import advantages, pkpo
 
     r = np.asarray(rewards, np.float32)

@@ -74,7 +74,7 @@ class EvalSamples:
 
 
 def pass_at_k_per_question(num_samples: int, num_correct: np.ndarray) -> np.ndarray:
-    """Unbiased pass@k for every k = 1..n (TOPR §4.2, FPA App. B.3; PKPO (Pass@K Policy Optimization) eq. 3): `1 − C(n−c,k)/C(n,k)`.
+    """Unbiased pass@k for every k = 1..n (TOPR §4.2, FPA App. B.3; PKPO arXiv:2505.15201 eq. 3): `1 − C(n−c,k)/C(n,k)`.
 
     Returns [Q, n] float64 with column k−1 holding pass@k; the estimator is PKPO's
     (`losses.pkpo.pass_at_k`, host float64, overflow-free for any n).

@@ -1,4 +1,4 @@
-"""Pass@k / max@k estimators and PKPO reward transforms (docs/kernels.md § PKPO estimators; paper PKPO (Pass@K Policy Optimization)).
+"""Pass@k / max@k estimators and PKPO reward transforms (docs/kernels.md § PKPO estimators; PKPO arXiv:2505.15201).
 
 Every function takes a group-major reward matrix `rewards [G, n]` (one row per prompt, one
 column per sample) and an optional `mask [G, n]` for ragged groups: masked entries do not

@@ -2,7 +2,7 @@
 
 A task turns a `Problem` into a prompt string and scores a completion string into a
 `RewardResult`. Rewards are ±1 by default (TOPR arXiv:2503.14286, FPA arXiv:2509.19893); `reward_scheme="01"` maps them to 0/1
-and tasks may return continuous scores (PKPO, PKPO (Pass@K Policy Optimization)).
+and tasks may return continuous scores (PKPO arXiv:2505.15201).
 """
 
 from __future__ import annotations
