@@ -63,8 +63,11 @@ def collate(rows: Sequence[dict[str, Any]], batch_size: int, lengths: Sequence[i
             pairs: bool = False) -> Batch:
     """Stack rows into a `Batch` of `batch_size` rows, right-padded to the smallest fitting length.
 
-    With `pairs`, rows (2i, 2i+1) are a (chosen, rejected) pair and `pair_index` is
-    `data.pairs.make_pairs` over the batch, padded with −1 to `batch_size / 2` pairs.
+    With `pairs`, rows (2i, 2i+1) are a (chosen, rejected) pair — the unit the loader shuffles,
+    written by `curate` with `data.curation: dpo` — and `pair_index[i]` is (2i, 2i+1), or
+    (−1, −1) for a padding unit. The pairs are taken as written, never re-formed from group ids:
+    `curate` may pair one response with several others, and a batch that straddles an epoch
+    boundary may hold the same pair twice; re-pairing by group would then invent pairs.
     """
     longest = max((r["inputs"].size for r in rows), default=0)
     t = next((n for n in lengths if n >= longest), None)
@@ -75,11 +78,15 @@ def collate(rows: Sequence[dict[str, Any]], batch_size: int, lengths: Sequence[i
         _place(out, per_record, row, i, slice(0, row["inputs"].size), segment=1, slot=i)
     pair_index = empty_pairs()
     if pairs:
-        from jaxrl_llm.data.pairs import make_pairs
-
-        pair_index = make_pairs(per_record["group_ids"], per_record["correct"],
-                                record_mask=per_record["record_mask"], pad_to=batch_size // 2)
+        pair_index = unit_pairs(per_record["record_mask"])
     return Batch(**out, **per_record, pair_index=pair_index)
+
+
+def unit_pairs(record_mask: np.ndarray) -> np.ndarray:
+    """`int32 [B/2, 2]`: (2i, 2i+1) where both rows are records, else (−1, −1)."""
+    first = np.arange(0, record_mask.size, 2, dtype=np.int32)
+    real = (record_mask[0::2] > 0) & (record_mask[1::2] > 0)
+    return np.where(real[:, None], np.stack([first, first + 1], axis=1), -1).astype(np.int32)
 
 
 def collate_packed(rows: Sequence[Sequence[dict[str, Any]]], batch_size: int, max_len: int,

@@ -1,0 +1,212 @@
+"""Shared pieces of the toy-scale reproductions: the SFT-warmed policy, configs, evaluation
+during training, and result files.
+
+Every stage runs through the commands users type (`jaxrl_llm.cli.main`, i.e. `jaxrl-llm
+generate|train|export|score|curate|evaluate`, called in-process so the interpreter and JAX
+start once) or through the public `Trainer` + `evaluate_model` API.
+
+The shared policy: a 2-layer, 64-wide decoder on the character tokenizer, trained here by SFT
+on gold solutions of one-operation arithmetic (operands 1–3) until it is right a few times in
+ten at T = 1. It is built once per cache directory and reused by every experiment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import yaml
+
+# The task and model every experiment shares (a tiny model SFTs in ~1 minute on 2 cores).
+TASK_OPTIONS = {"min_ops": 1, "max_ops": 1, "max_operand": 3}
+MODEL = {"source": "random", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+         "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "max_position_embeddings": 256}
+# SFT sizes: full → pass@1 ≈ 0.1–0.4 at T = 1 on the test split (it climbs from 0.12 at 400
+# steps to 0.64 at 800 at this learning rate); smoke → a weaker model, sooner.
+WARM_SIZES = {"full": {"gold_prompts": 512, "sft_steps": 500},
+              "smoke": {"gold_prompts": 256, "sft_steps": 100}}
+
+
+def jaxrl(*argv: str) -> None:
+    """`jaxrl-llm ARGV` in this process; a non-zero exit is an error naming the command."""
+    from jaxrl_llm.cli import main
+
+    code = main(list(argv))
+    if code != 0:
+        raise RuntimeError(f"jaxrl-llm {' '.join(argv)} exited {code}")
+
+
+def base_config(model: dict[str, Any], *, seed: int = 0, **sections: dict[str, Any]) -> dict:
+    """An experiment config (the schema of `configs/*.yaml`) for the shared task."""
+    config: dict[str, Any] = {
+        "name": "experiment", "run_dir": "runs/experiment", "seed": seed, "model": model,
+        "optim": {"learning_rate": 0.003},
+        "train": {"steps": 300, "batch_size": 16, "max_seq_len": 160, "log_every": 50,
+                  "checkpoint_every": 100000},
+        "generate": {"n": 4, "temperature": 1.0, "max_new_tokens": 48, "batch_size": 64},
+        "data": {"task": "arithmetic", "num_prompts": 64, "task_options": TASK_OPTIONS},
+        "eval": {"n": 4, "num_questions": 32, "batch_size": 64, "maj_k": [1, 4],
+                 "bootstrap_trials": 10},
+    }
+    for name, values in sections.items():  # a section's keys update it; a scalar replaces
+        config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
+    return config
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def warm_policy(cache: Path, *, smoke: bool = False) -> dict[str, Any]:
+    """The SFT-warmed policy in `cache/models/sft` (built once): `generate --gold` →
+    `train loss.name=sft` → `export` → `evaluate`. Returns `cache/warm.json`'s content."""
+    cache = cache.resolve()
+    info_path = cache / "warm.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    t0 = time.perf_counter()
+    sizes = WARM_SIZES["smoke" if smoke else "full"]
+    cfg = write_config(cache / "sft.yaml", base_config(
+        MODEL, train={"steps": sizes["sft_steps"], "log_every": 50},
+        data={"records": str(cache / "gold")}, run_dir=str(cache / "sft")))
+    jaxrl("generate", "--config", str(cfg), "--gold", "--out", str(cache / "gold"),
+          f"data.num_prompts={sizes['gold_prompts']}")
+    jaxrl("train", "--config", str(cfg), "--records", str(cache / "gold"), "--no-progress",
+          "loss.name=sft", f"run_dir={cache / 'sft'}")
+    jaxrl("export", "--checkpoint", str(cache / "sft" / "checkpoints"),
+          "--out", str(cache / "models" / "sft"))
+    jaxrl("evaluate", "--config", str(cfg), "--model", str(cache / "models" / "sft"),
+          "--out", str(cache / "eval"), "eval.num_questions=64")
+    summary = json.loads((cache / "eval" / "eval.json").read_text())
+    info = {"model": str(cache / "models" / "sft"), "smoke": smoke, **sizes,
+            "pass_at_1": summary["pass_at_1"]["mean"], "pass_at_1_se": summary["pass_at_1"]["se"],
+            "invalid": summary["proportions"]["invalid"],
+            "seconds": round(time.perf_counter() - t0, 1)}
+    info_path.write_text(json.dumps(info, indent=2))
+    return info
+
+
+def warm_model_section(warm: dict[str, Any]) -> dict[str, Any]:
+    return {"source": "hf", "path": warm["model"]}
+
+
+class Probe:
+    """Pass@1 and invalid rate of a model on fixed test questions with a fixed sampling seed
+    (common random numbers: every checkpoint is scored on the same draws)."""
+
+    def __init__(self, config: Any, *, num_questions: int, n: int, seed: int = 1234) -> None:
+        from jaxrl_llm.generate.loading import task_from_config
+
+        self.config = config
+        self.task = task_from_config(config)
+        self.problems = self.task.load(split="test", num=num_questions, seed=0)
+        self.n, self.seed = n, seed
+        self._tokenizer: Any = None
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
+        return self._tokenizer
+
+    def __call__(self, model: Any) -> dict[str, float]:
+        from jaxrl_llm.eval.evaluate import evaluate_model
+
+        g = self.config.generate
+        summary, _ = evaluate_model(model, self.tokenizer(), self.task, self.problems, n=self.n,
+                                    temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                                    batch_size=g.batch_size, seed=self.seed, maj_k=(1,), trials=2)
+        return {"pass_at_1": float(summary["pass_at_1"]["mean"]),
+                "pass_at_1_se": float(summary["pass_at_1"]["se"]),
+                "invalid": float(summary["proportions"]["invalid"])}
+
+
+def train_with_probe(config: Any, probe: Probe, *, eval_every: int,
+                     records: str | None = None) -> list[dict[str, float]]:
+    """Train `config` with the public Trainer, probing the policy every `eval_every` steps;
+    rows `{step, pass_at_1, invalid, ...}` for the probed steps."""
+    from jaxrl_llm.train.trainer import Trainer
+
+    rows: list[dict[str, float]] = []
+
+    def hook(step: int, state: Any) -> dict[str, float]:
+        row = probe(state.model())
+        rows.append({"step": step, **row})
+        return row
+
+    config = config.model_copy(deep=True)
+    config.train.eval_every = eval_every
+    trainer = Trainer(config, records=records, eval_hook=hook, progress=False, tensorboard=False)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    if not rows:  # e.g. a finished run in run_dir: the Trainer resumed and had nothing to do
+        raise RuntimeError(f"{config.run_dir}: no step was probed (train.steps="
+                           f"{config.train.steps}, eval_every={eval_every}); start from an "
+                           "empty run_dir")
+    return rows
+
+
+def load_policy(path: str, config: Any) -> Any:
+    """The model of an HF directory with the config's numerics (the loader `evaluate` uses)."""
+    from jaxrl_llm.eval.evaluate import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(path, config)[0]
+
+
+def mean_se(values: Sequence[Sequence[float]] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and standard error over axis 0 (the seeds)."""
+    a = np.asarray(values, dtype=np.float64)
+    se = a.std(axis=0, ddof=1) / math.sqrt(a.shape[0]) if a.shape[0] > 1 else np.zeros(a.shape[1:])
+    return a.mean(axis=0), se
+
+
+def _check_finite(obj: Any, where: str = "results") -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_finite(v, f"{where}.{k}")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{where}[{i}]")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        raise FloatingPointError(f"{where} is {obj}: refusing to write a non-finite result")
+
+
+def write_results(out: Path, name: str, results: dict[str, Any]) -> Path:
+    """`out/NAME.json`, refusing NaN/inf anywhere in it."""
+    _check_finite(results)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(results, indent=2))
+    return path
+
+
+def parse_args(description: str, default_out: str,
+               extra: Callable[[Any], None] | None = None) -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=default_out, help="output directory (PNG + JSON)")
+    parser.add_argument("--cache", default=None,
+                        help="where the shared SFT-warmed policy is built once (default: "
+                             "OUT/../warm_policy, or warm_policy_smoke with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; under a minute")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args()
+    args.out = Path(args.out).resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    default_cache = args.out.parent / ("warm_policy_smoke" if args.smoke else "warm_policy")
+    args.cache = Path(args.cache).resolve() if args.cache else default_cache
+    return args
