@@ -19,3 +19,18 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reliability-report", default=None, metavar="PATH",
+                     help="write the reliability table (tests/reliability.py) to PATH at the end")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--reliability-report")
+    if path:
+        from tests.reliability import ROWS, render
+
+        with open(path + ".tmp", "w") as f:
+            f.write(render(ROWS))
+        os.replace(path + ".tmp", path)  # atomic: a reader never sees half a table

@@ -132,3 +132,25 @@ def test_trainer_refuses_before_building_anything(unscored, tmp_path):
     with pytest.raises(ConfigError, match="jaxrl-llm score"):
         Trainer(cfg, progress=False, tensorboard=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_loader_refuses_one_record_without_ref_logprobs_in_a_scored_directory(scored, tmp_path):
+    """The manifest promises ref_logprobs but one record lacks them: the loader names that
+    record instead of placing log π_ref = 0 for it."""
+    from jaxrl_llm.data.loader import loader_from_config
+
+    manifest = read_manifest(scored)
+    records = list(read_records(scored))
+    records[3] = records[3].replace(ref_logprobs=None)
+    mixed = tmp_path / "mixed"
+    write_records(mixed, records, vocab_size=VOCAB, sampling=manifest.sampling,
+                  extra=manifest.extra, scored_by=manifest.scored_by)
+    check_records(config(mixed, "kto"), mixed)  # the manifest check alone passes
+    loader = loader_from_config(config(mixed, "kto", max_seq_len=32), process_index=0,
+                                process_count=1, num_epochs=1)
+    with pytest.raises(RecordError, match=r"no ref_logprobs; run `jaxrl-llm score`") as err:
+        list(loader)
+    assert str(mixed) in str(err.value) or "records-" in str(err.value), str(err.value)
+    # the same directory is fine for a loss that never reads π_ref
+    assert len(list(loader_from_config(config(mixed, "off_rl", max_seq_len=32), process_index=0,
+                                       process_count=1, num_epochs=1))) > 0
