@@ -7,6 +7,7 @@ PNG, returning its path, or None when the run has nothing to draw for it.
 from __future__ import annotations
 
 import io
+import math
 import re
 from collections.abc import Mapping, Sequence
 
@@ -16,6 +17,7 @@ from etils import epath
 matplotlib.use("Agg")  # headless: no display on training hosts
 import matplotlib.pyplot as plt
 
+from jaxrl_llm.atomic import atomic_write_bytes
 from jaxrl_llm.paths import PathLike, as_path
 
 FIGSIZE = (6.4, 4.0)
@@ -29,7 +31,7 @@ def _save(fig: plt.Figure, path: PathLike) -> epath.Path:
     png = io.BytesIO()  # through bytes: the path may be remote (gs://), which matplotlib can't open
     fig.savefig(png, format="png", dpi=DPI)
     plt.close(fig)
-    path.write_bytes(png.getvalue())
+    atomic_write_bytes(path, png.getvalue())
     return path
 
 
@@ -46,6 +48,51 @@ def matching_keys(rows: Sequence[Mapping[str, object]], patterns: Sequence[str])
     return list(keys)
 
 
+PHASE_TITLES = {"sft": "SFT warm start", "rl": "RL"}
+
+
+def series_points(
+    rows: Sequence[Mapping[str, object]], key: str, se_suffix: str = "_se"
+) -> list[tuple[float, float, float | None]]:
+    """(step, value, se or None) of one metric, finite values only."""
+    points = []
+    for r in rows:
+        value, step = r.get(key), r.get("step")
+        if not isinstance(value, int | float) or isinstance(value, bool) or step is None:
+            continue
+        if not math.isfinite(value):
+            continue
+        se = r.get(key + se_suffix)
+        points.append((step, value, se if isinstance(se, int | float) and math.isfinite(se) else None))
+    return points  # type: ignore[return-value]
+
+
+def series_panels(
+    rows: Sequence[Mapping[str, object]], patterns: Sequence[str], se_suffix: str = "_se"
+) -> dict[str, dict[str, list[tuple[float, float, float | None]]]]:
+    """{phase: {metric: points}} for the metrics matching `patterns`.
+
+    Rows carry a `phase` ("sft" or "rl", set by the report from the file they came from); SFT
+    and RL steps count from 0 separately, so they get separate panels instead of one axis.
+    Metrics with no finite value in a phase are left out, so no legend entry is empty.
+    """
+    keys = [k for k in matching_keys(rows, patterns) if not k.endswith(se_suffix)]
+    panels: dict[str, dict[str, list[tuple[float, float, float | None]]]] = {}
+    for phase in dict.fromkeys(str(r.get("phase", "")) for r in rows):
+        phase_rows = [r for r in rows if str(r.get("phase", "")) == phase]
+        series = {k: pts for k in keys if (pts := series_points(phase_rows, k, se_suffix))}
+        if series:
+            panels[phase] = series
+    return dict(sorted(panels.items(), key=lambda kv: kv[0] != "sft"))  # SFT first: it ran first
+
+
+def _label(key: str, phase: str) -> str:
+    """A legend label without the directory prefix its phase already names (sft/run/loss)."""
+    if phase == "sft" and key.startswith("sft"):
+        return key.split("/", 2)[-1] if key.count("/") >= 2 else key
+    return key
+
+
 def series_plot(
     rows: Sequence[Mapping[str, object]],
     patterns: Sequence[str],
@@ -55,28 +102,32 @@ def series_plot(
     ylabel: str,
     se_suffix: str = "_se",
 ) -> epath.Path | None:
-    """Each metric matching `patterns` against `step`; `<key>_se` columns draw 2-SE bands."""
-    keys = [k for k in matching_keys(rows, patterns) if not k.endswith(se_suffix)]
-    if not keys:
+    """Each metric matching `patterns` against `step`, one panel per phase (SFT, RL) when a
+    run has both; `<key>_se` columns draw 2-SE bands."""
+    panels = series_panels(rows, patterns, se_suffix)
+    if not panels:
         return None
-    fig, ax = plt.subplots(figsize=FIGSIZE)
-    for key in keys:
-        points = [(r["step"], r[key], r.get(key + se_suffix)) for r in rows
-                  if key in r and "step" in r]
-        if not points:
-            continue
-        steps = [p[0] for p in points]
-        values = [p[1] for p in points]
-        (line,) = ax.plot(steps, values, marker="." if len(points) < 50 else None, label=key)
-        if all(isinstance(p[2], int | float) for p in points):
-            lo = [v - 2 * se for _, v, se in points]
-            hi = [v + 2 * se for _, v, se in points]
-            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    width = FIGSIZE[0] * (1 if len(panels) == 1 else 1.6)
+    # y not shared: SFT's and RL's losses live on different scales
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, FIGSIZE[1]), squeeze=False)
+    for ax, (phase, series) in zip(axes[0], panels.items()):
+        for key, points in series.items():
+            steps = [p[0] for p in points]
+            values = [p[1] for p in points]
+            (line,) = ax.plot(steps, values, marker="." if len(points) < 50 else None,
+                              label=_label(key, phase))
+            if all(p[2] is not None for p in points):
+                lo = [v - 2 * se for _, v, se in points]  # type: ignore[operator]
+                hi = [v + 2 * se for _, v, se in points]  # type: ignore[operator]
+                ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
+        phase_name = PHASE_TITLES.get(phase)
+        ax.set_xlabel(f"{phase_name} optimizer step" if phase_name else "optimizer step")
+        if len(panels) > 1:
+            ax.set_title(phase_name or phase, fontsize="medium")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
     return _save(fig, path)
 
 

@@ -17,18 +17,19 @@ from collections.abc import Mapping
 
 from etils import epath
 
+from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.paths import PathLike, as_path, find_files
 
 # (file stem, title, y label, metric-name regexes)
 SERIES = (
-    ("accuracy", "Accuracy vs step", "accuracy",
+    ("accuracy", "Accuracy vs step", "accuracy (fraction of samples correct)",
      (r"(^|/)pass_at_1$", r"(^|/)pass_at_1_se$", r"accuracy$", r"solve_rate$")),
-    ("loss", "Loss vs step", "loss", (r"(^|/)loss$", r"objective$")),
+    ("loss", "Loss vs step", "loss (nats)", (r"(^|/)loss$", r"objective$")),
     # The TOPR-family kernels report log(π/μ) split by sign; FPA π^{1/|y|} by correctness.
-    ("logprob_drift", "Log-prob drift: correct vs incorrect (FPA arXiv:2509.19893 Fig. 2)", "log π − log μ",
+    ("logprob_drift", "Log-prob drift: correct vs incorrect (FPA arXiv:2509.19893 Fig. 2)", "log π − log μ (nats); FPA: π^(1/|y|)",
      (r"drift", r"log_ratio_mean_(pos|neg)$", r"pi(_hat)?_norm_mean_(correct|incorrect)$")),
-    ("clipped_fractions", "Clipped fractions", "fraction of records", (r"clip",)),
-    ("effective_positive_fraction", "Effective positive fraction (TOPR arXiv:2503.14286 eq. 12)", "p̃",
+    ("clipped_fractions", "Clipped fractions", "fraction of records in the batch", (r"clip",)),
+    ("effective_positive_fraction", "Effective positive fraction (TOPR arXiv:2503.14286 eq. 12)", "p̃ (fraction of the batch's weight)",
      (r"effective_pos",)),
 )
 
@@ -53,6 +54,10 @@ def collect_run(run_dir: PathLike) -> tuple[list[dict[str, object]], dict[str, d
     run_dir = as_path(run_dir)
     rows: list[dict[str, object]] = []
     paths = find_files(run_dir, "metrics.jsonl")
+    # An SFT warm start (quickstart, iterate with sft:) counts its own steps from 0: its rows
+    # get phase "sft" and the rest "rl", and the plots draw the two in separate panels.
+    sft_dirs = {p for p in paths if _relative(p.parent, run_dir).startswith("sft")}
+    phased = bool(sft_dirs) and len(paths) > 1
     for path in paths:
         file_rows = read_jsonl(path)
         if len(paths) > 1 and path.parent != run_dir:
@@ -60,6 +65,8 @@ def collect_run(run_dir: PathLike) -> tuple[list[dict[str, object]], dict[str, d
             prefix = path.parent.relative_to(run_dir).as_posix()
             file_rows = [{k if k in ("step", "time") else f"{prefix}/{k}": v
                           for k, v in row.items()} for row in file_rows]
+        if phased:
+            file_rows = [{**row, "phase": "sft" if path in sft_dirs else "rl"} for row in file_rows]
         rows.extend(file_rows)
     evals: dict[str, dict[str, object]] = {}
     for path in find_files(run_dir, "eval.json"):
@@ -72,9 +79,13 @@ def collect_run(run_dir: PathLike) -> tuple[list[dict[str, object]], dict[str, d
         if isinstance(data.get("step"), int) and isinstance(data.get("pass_at_1"), dict):
             p1 = data["pass_at_1"]
             rows.append({"step": data["step"], "eval/pass_at_1": p1["mean"],
-                         "eval/pass_at_1_se": p1["se"]})
+                         "eval/pass_at_1_se": p1["se"], **({"phase": "rl"} if phased else {})})
     rows.sort(key=lambda r: r.get("step", 0))  # type: ignore[arg-type, return-value]
     return rows, evals
+
+
+def _relative(path: epath.Path, root: epath.Path) -> str:
+    return "" if path == root else path.relative_to(root).as_posix()
 
 
 def _fmt(x: object, digits: int = 3) -> str:
@@ -138,7 +149,7 @@ def write_report(run_dir: PathLike, out_dir: PathLike | None = None) -> epath.Pa
             md += [f"### {title}", "", f"![{title}]({path.relative_to(out).as_posix()})", ""]
     report = out / "report.md"
     out.mkdir(parents=True, exist_ok=True)
-    report.write_text("\n".join(md) + "\n")
+    atomic_write_text(report, "\n".join(md) + "\n")
     return report
 
 

@@ -81,3 +81,32 @@ def test_report_names_missing_data_and_refuses_empty_runs(tmp_path):
     (run_dir / "metrics.jsonl").write_text("{oops\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:1: not a JSON line"):
         write_report(run_dir)
+
+
+def test_sft_and_rl_steps_get_separate_panels_and_empty_series_no_legend_entry(tmp_path):
+    """A quickstart-shaped run: SFT counts steps 0..400, RL counts its own 0..40. The report
+    draws them side by side (not on one step axis), and a metric with no finite value (here
+    all NaN in RL) has no line and no legend entry."""
+    from jaxrl_llm.eval.plots import series_panels
+    from jaxrl_llm.eval.report import collect_run
+
+    run = tmp_path / "run"
+    (run / "sft" / "run").mkdir(parents=True)
+    (run / "iter_1" / "train").mkdir(parents=True)
+    sft = [{"step": s, "loss": 5.0 / s} for s in range(100, 500, 100)]
+    rl = [{"step": s, "loss": -0.01 * s, "loss/clip_frac_pos_high": float("nan")}
+          for s in range(10, 50, 10)]
+    (run / "sft" / "run" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
+    # JSON has no NaN literal: Python's json writes and reads it as `NaN`, like the trainer's rows
+    (run / "iter_1" / "train" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rl))
+    rows, _ = collect_run(run)
+    panels = series_panels(rows, [r"(^|/)loss$", r"clip"])
+    assert list(panels) == ["sft", "rl"]
+    assert panels["sft"] == {"sft/run/loss": [(s, 5.0 / s, None) for s in (100, 200, 300, 400)]}
+    assert panels["rl"] == {"iter_1/train/loss": [(s, -0.01 * s, None) for s in (10, 20, 30, 40)]}
+    assert series_panels(rows, [r"clip"]) == {}  # nothing finite to draw: no figure at all
+    assert cli_main(["report", str(run)]) == 0
+    assert png_size(run / "report" / "loss.png") == (1024, 400)  # two panels side by side
+    assert not (run / "report" / "clipped_fractions.png").exists()
+    md = (run / "report" / "report.md").read_text()
+    assert "- Clipped fractions: no data in this run" in md
