@@ -10,6 +10,7 @@ time gives tokens/s = batch × new tokens / time (prefill included for both).
 
     python benchmarks/generate.py                 # batch 1 and 32, 128 new tokens, 5 runs
     python benchmarks/generate.py --batch-sizes 32 --runs 3
+    python benchmarks/generate.py --gpu           # on a GPU: both in bf16, PyTorch with sdpa
 
 Writes benchmarks/results/generate.json and generate.md.
 """
@@ -25,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a libtpu wheel may be installed alongside
+# Read before jax is imported (it picks the platform at import); a libtpu wheel may be
+# installed alongside, so the CPU run names its platform.
+os.environ.setdefault("JAX_PLATFORMS", "cuda" if "--gpu" in sys.argv else "cpu")
 
 import jax
 import numpy as np
@@ -66,14 +69,14 @@ def ours_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: 
 def torch_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: int):
     import torch
 
-    inputs = torch.tensor([prompt_ids] * batch)
+    inputs = torch.tensor([prompt_ids] * batch, device=model.device)
     attention = torch.ones_like(inputs)
 
     def run():
         with torch.no_grad():
             out = model.generate(inputs, attention_mask=attention, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-        return out[:, len(prompt_ids):].numpy()
+        return out[:, len(prompt_ids):].cpu().numpy()  # waits for the GPU
 
     return run
 
@@ -101,24 +104,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "generate.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: results/generate.json (generate_gpu.json with --gpu)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="JAX and PyTorch on the GPU, bf16 (PyTorch attention: sdpa)")
     args = parser.parse_args(argv)
+    args.out = args.out or RESULTS / ("generate_gpu.json" if args.gpu else "generate.json")
 
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     path = smollm2_gguf_path()
-    ours = load_gguf(path)
+    dtype = "bfloat16" if args.gpu else "float32"
+    ours = load_gguf(path, dtype=dtype, compute_dtype=dtype)
     tok = ours.tokenizer
     prompt_ids = tok(tok.apply_chat_template(PROMPT, tokenize=False,
                                              add_generation_prompt=True))["input_ids"]
     pad = tok.pad_token_id
-    torch_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                       dtype=torch.float32).eval()
+    torch_model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype),
+        attn_implementation="sdpa").eval().to("cuda" if args.gpu else "cpu")
 
     meta = dict(
-        benchmark="decode tokens/s, greedy, SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, fp32)",
+        benchmark=f"decode tokens/s, greedy, SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, "
+                  f"{dtype})", device=str(jax.devices()[0].device_kind),
         model_file=path.name, runs=args.runs, statistic="median after 1 warm-up run, runs interleaved",
         torch_threads=args.threads, jax=jax.__version__, torch=torch.__version__,
         cpu_count=os.cpu_count(), machine=platform.machine(), python=sys.version.split()[0],

@@ -67,18 +67,22 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def warm_policy(cache: Path, *, smoke: bool = False) -> dict[str, Any]:
+def warm_policy(cache: Path, *, smoke: bool = False, sizes: dict[str, int] | None = None,
+                **sections: dict[str, Any]) -> dict[str, Any]:
     """The SFT-warmed policy in `cache/models/sft` (built once): `generate --gold` →
-    `train loss.name=sft` → `export` → `evaluate`. Returns `cache/warm.json`'s content."""
+    `train loss.name=sft` → `export` → `evaluate`. Returns `cache/warm.json`'s content.
+    `sizes` replaces `WARM_SIZES`'s entry; `sections` update the config's sections (another
+    task variant: `data={"task_options": ...}`, longer `train.max_seq_len`)."""
     cache = cache.resolve()
     info_path = cache / "warm.json"
     if info_path.exists():
         return json.loads(info_path.read_text())
     t0 = time.perf_counter()
-    sizes = WARM_SIZES["smoke" if smoke else "full"]
+    sizes = sizes or WARM_SIZES["smoke" if smoke else "full"]
+    train = {"steps": sizes["sft_steps"], "log_every": 50, **sections.pop("train", {})}
+    data = {"records": str(cache / "gold"), **sections.pop("data", {})}
     cfg = write_config(cache / "sft.yaml", base_config(
-        MODEL, train={"steps": sizes["sft_steps"], "log_every": 50},
-        data={"records": str(cache / "gold")}, run_dir=str(cache / "sft")))
+        MODEL, train=train, data=data, run_dir=str(cache / "sft"), **sections))
     jaxrl("generate", "--config", str(cfg), "--gold", "--out", str(cache / "gold"),
           f"data.num_prompts={sizes['gold_prompts']}")
     jaxrl("train", "--config", str(cfg), "--records", str(cache / "gold"), "--no-progress",
@@ -132,7 +136,50 @@ class Probe:
                 "invalid": float(summary["proportions"]["invalid"])}
 
 
-def train_with_probe(config: Any, probe: Probe, *, eval_every: int,
+class SequenceLogprobs:
+    """log π(y|x) − log π_ref(y|x) of fixed scored records under a model (FPA arXiv:2509.19893
+    Fig. 2's quantity), at T = 1 through the `score` pass's forward (`make_scorer` /
+    `score_batch`, the trainer's numerics); π_ref is the records' `ref_logprobs`, which
+    `jaxrl-llm score` wrote from the initial policy. Built once (one compiled forward);
+    each call swaps in the given model's parameters."""
+
+    def __init__(self, records: Sequence[Any], reference_model: Any, *,
+                 batch_size: int = 64) -> None:
+        from jaxrl_llm.train.score import make_scorer
+
+        if any(r.ref_logprobs is None for r in records):
+            raise ValueError("SequenceLogprobs needs scored records (ref_logprobs): run "
+                             "`jaxrl-llm score` on them first")
+        self.records = list(records)
+        self.batch_size = batch_size
+        self.ref = np.array([float(np.sum(r.ref_logprobs)) for r in self.records])
+        self.lengths = np.array([r.completion_ids.size for r in self.records], np.float64)
+        self.scorer = make_scorer(reference_model, temperature=1.0)
+
+    def logprobs(self, model: Any) -> np.ndarray:
+        """Σ_t log π(y_t | x, y_<t) per record [N] under `model`."""
+        import jax
+
+        from jaxrl_llm.parallel.rules import state_shardings
+        from jaxrl_llm.train.score import score_batch
+        from jaxrl_llm.train.state import split_model
+
+        _, params, _ = split_model(model)
+        self.scorer.params = jax.tree.map(jax.device_put, params,
+                                          state_shardings(params, self.scorer.mesh))
+        out: list[float] = []
+        for i in range(0, len(self.records), self.batch_size):
+            chunk = self.records[i:i + self.batch_size]
+            out += [float(np.sum(ref_t1)) for _, ref_t1 in
+                    score_batch(self.scorer, chunk, self.batch_size)]
+        return np.array(out)
+
+    def __call__(self, model: Any) -> np.ndarray:
+        """log π(y|x) − log π_ref(y|x) per record [N]."""
+        return self.logprobs(model) - self.ref
+
+
+def train_with_probe(config: Any, probe: Callable[[Any], dict[str, float]], *, eval_every: int,
                      records: str | None = None) -> list[dict[str, float]]:
     """Train `config` with the public Trainer, probing the policy every `eval_every` steps;
     rows `{step, pass_at_1, invalid, ...}` for the probed steps."""

@@ -59,8 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         args.overrides = [*(args.overrides or []), *extra]
     module = importlib.import_module(args._module)
-    from jaxrl_llm.config import ConfigError
     from jaxrl_llm.data.records import RecordError
+    from jaxrl_llm.errors import ConfigError, ModelFileError
+    from jaxrl_llm.train.preemption import EXIT_PREEMPTED, Preempted
 
     try:
         if args.command in DEVICE_COMMANDS:
@@ -68,9 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             initialize()  # no-op on a single host (parallel/distributed.py)
         code = module.run(args)
-    except (ConfigError, RecordError) as err:  # bad config or bad input data: no traceback
+    # Bad config, input data, model/tokenizer file or a path that does not exist: no traceback.
+    except (ConfigError, RecordError, ModelFileError, FileNotFoundError) as err:
         print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
         return 2
+    except Preempted as err:  # SIGTERM: checkpointed; exits as `train` does, re-run to resume
+        print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
     return int(code or 0)
 
 

@@ -16,11 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jaxrl_llm.errors import ConfigError  # re-exported: defined apart so leaves need no schema
 from jaxrl_llm.paths import RunPath  # run/output paths: absolute (or gs://) once validated
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with the key and source it came from in the message."""
 
 
 class Section(BaseModel):
@@ -29,11 +26,26 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+class LoraConfig(Section):
+    """LoRA adapters (models/lora.py; LoRA arXiv:2106.09685): only they are trained, the base
+    weights stay frozen, and the reference policy is the base (adapters off)."""
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
+    # PEFT / HF module names (models.lora.LORA_TARGETS); default: every linear layer.
+    targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"], min_length=1)
+
+
 class ModelConfig(Section):
     """Which decoder to train, and its numerics (models/)."""
 
     source: Literal["random", "hf", "gguf", "smollm2"] = "random"
-    path: str | None = Field(None, description="HF directory or GGUF file for source hf/gguf")
+    path: str | None = Field(None, description="HF directory or GGUF file for source hf/gguf, "
+                             "or a Hugging Face Hub id (org/name) for source hf")
+    revision: str | None = Field(None, description="hub revision (branch, tag, commit) of a hub id")
     family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"] = "llama"
     # Architecture of a random-init model (ignored when loading weights, which carry their own).
     vocab_size: int = Field(512, gt=0)
@@ -49,10 +61,15 @@ class ModelConfig(Section):
     # Mistral: every layer; Gemma 2: the even (local) layers. None = full attention everywhere.
     sliding_window: int | None = Field(None, gt=0)
     tie_embeddings: bool = True
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # auto: bfloat16 on TPU/GPU (with optim.master_weights_fp32 the optimizer keeps fp32
+    # master weights; the log-prob kernel's log-softmax is fp32), float32 on CPU.
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     scan_layers: bool = False
+    lora: LoraConfig | None = None  # None: full fine-tuning
+    # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU.
+    attention: Literal["auto", "jnp", "xla", "cudnn", "splash"] = "auto"
 
 
 class LossConfig(Section):
@@ -194,6 +211,8 @@ class TrainConfig(Section):
     max_nonfinite_steps: int = Field(3, gt=0)
     # Log grad_norm_positive/negative too (2 extra forward+backward passes per micro-batch).
     grad_norm_by_sign: bool = False
+    # Debug: log each step's consumed records to run_dir/record_trace.jsonl (train/record_trace.py).
+    record_trace: bool = False
 
     @model_validator(mode="after")
     def _micro_divides(self) -> TrainConfig:
@@ -303,6 +322,18 @@ class EvalConfig(Section):
     verifications: int = Field(4, gt=0)  # per solution, for weighted self-consistency (TOPR arXiv:2503.14286 §4.4)
 
 
+class MetricsConfig(Section):
+    """Where metric rows go besides metrics.jsonl and TensorBoard (train/metrics_log.py)."""
+
+    wandb: bool = Field(False, description="also log to Weights & Biases (extra: wandb)")
+    wandb_project: str = "jaxrl-llm"
+    wandb_entity: str | None = None
+    wandb_name: str | None = Field(None, description="default: the experiment's name")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="default: wandb's own (WANDB_MODE)")
+    wandb_tags: list[str] = Field(default_factory=list)
+
+
 class ExperimentConfig(Section):
     """One experiment: every section plus the run's identity and seed."""
 
@@ -318,6 +349,7 @@ class ExperimentConfig(Section):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _pack_needs_unpaired_loss(self) -> ExperimentConfig:

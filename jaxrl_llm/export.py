@@ -1,4 +1,6 @@
-"""`jaxrl-llm export --checkpoint DIR --out HF_DIR`: a training checkpoint as an HF directory.
+"""`jaxrl-llm export --checkpoint DIR --out HF_DIR`: a training checkpoint as an HF directory
+(or, with `--format gguf --gguf-type f16|q8_0 --out FILE.gguf`, one llama.cpp GGUF file,
+written by `models.gguf_export.write_gguf` to a temporary sibling and renamed the same way).
 
 The parameters are restored from the Orbax checkpoint (gathered from every host in a
 multi-host job), written by the models package's exporter (`models.hf.save_pretrained`:
@@ -6,20 +8,22 @@ safetensors + config.json + generation_config.json + tokenizer files) into a tem
 sibling directory, which is then renamed onto `HF_DIR`: a reader never sees a half-written
 export, and a crash leaves the previous export (if any) in place. A remote `HF_DIR`
 (`gs://…`) is written locally first, then copied file by file (object stores have no atomic
-directory rename).
+directory rename). A LoRA run (`model.lora`) exports the merged weights (W + (α/r)·A·B) and,
+in `HF_DIR/adapter/`, the adapters in PEFT's format (`peft.PeftModel.from_pretrained(base,
+HF_DIR/adapter)`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from etils import epath
 
+from jaxrl_llm.atomic import atomic_directory
 from jaxrl_llm.paths import PathLike, as_path, copy_tree, is_remote
 
 
@@ -38,22 +42,28 @@ def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
 def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None) -> None:
     from jaxrl_llm.models import hf
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    # Built in a temporary sibling, renamed onto `out` when complete (the old export, if
+    # any, stays whole until then).
+    with atomic_directory(out, overwrite=True) as tmp:
         hf.save_pretrained(model, tmp, tokenizer=tokenizer, dtype=dtype,
                            generation_config=_special_ids(tokenizer) or None)
-        if out.exists():
-            # Two renames: the old export stays whole until the new one is complete.
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _save_lora_adapter(model, Path(tmp), dtype=dtype)
+
+
+# Where a LoRA run's export keeps its adapters (beside the merged weights, in a
+# subdirectory: an adapter_config.json at the top would make transformers load the
+# directory as an adapter instead of as the merged model).
+ADAPTER_SUBDIR = "adapter"
+
+
+def _save_lora_adapter(model: Any, out: Path, *, dtype: str | None) -> None:
+    """A LoRA model's adapters in PEFT's format under `out/adapter` (none without LoRA)."""
+    from jaxrl_llm.models.lora import has_adapters
+
+    if has_adapters(model):
+        from jaxrl_llm.models.lora_export import save_peft_adapter
+
+        save_peft_adapter(model, out / ADAPTER_SUBDIR, dtype=dtype)
 
 
 def _save_remote(model: Any, out: epath.Path, *, tokenizer: Any,
@@ -65,6 +75,36 @@ def _save_remote(model: Any, out: epath.Path, *, tokenizer: Any,
         if out.exists():
             out.rmtree()
         return copy_tree(staged, out)
+
+
+def atomic_save_gguf(model: Any, out_file: PathLike, *, tokenizer: Any, gguf_type: str,
+                     overwrite: bool = False) -> epath.Path:
+    """`gguf_export.write_gguf` into a temporary file next to `out_file`, then rename (a
+    remote `out_file` is written locally, then copied)."""
+    from jaxrl_llm.models.gguf_export import write_gguf
+
+    target = as_path(out_file)
+    if target.suffix != ".gguf":
+        raise ValueError(f"--out {target} must name a .gguf file for --format gguf")
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} exists (pass --overwrite to replace it)")
+    if is_remote(target):
+        with tempfile.TemporaryDirectory(prefix="jaxrl-export-") as local:
+            staged = write_gguf(model, Path(local) / target.name, tokenizer=tokenizer,
+                                gguf_type=gguf_type)
+            target.write_bytes(staged.read_bytes())
+        return target
+    out = Path(os.fspath(target))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    try:
+        write_gguf(model, tmp, tokenizer=tokenizer, gguf_type=gguf_type)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
 
 
 def _special_ids(tokenizer: Any) -> dict[str, int]:
@@ -91,23 +131,39 @@ def tokenizer_for(config: Any, tokenizer: str | None) -> Any:
 
 def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | None = None,
                       tokenizer: str | None = None, dtype: str | None = None,
-                      overwrite: bool = False) -> epath.Path:
-    """Restore `checkpoint` (run dir, checkpoints dir or step dir) and export it to `out_dir`."""
+                      overwrite: bool = False, format: str = "hf",
+                      gguf_type: str = "f16") -> epath.Path:
+    """Restore `checkpoint` (run dir, checkpoints dir or step dir) and export it to `out_dir`
+    (format "hf": an HF directory; "gguf": one GGUF file of `gguf_type`)."""
     import jax
 
     from jaxrl_llm.train.checkpoint import restore_model
 
+    if format not in ("hf", "gguf"):
+        raise ValueError(f"export format {format!r} is not one of ['hf', 'gguf']")
     restored = restore_model(checkpoint, step=step)
     tok = tokenizer_for(restored.config, tokenizer)
+    if format == "gguf":  # refuse an unsupported architecture/type before any file is made
+        from jaxrl_llm.models.gguf_export import check_exportable
+
+        check_exportable(restored.model.config, gguf_type)
     if jax.process_index() != 0:  # every host restored and gathered; one writes
         return as_path(out_dir)
+    if format == "gguf":
+        return atomic_save_gguf(restored.model, out_dir, tokenizer=tok, gguf_type=gguf_type,
+                                overwrite=overwrite)
     return atomic_save(restored.model, out_dir, tokenizer=tok, dtype=dtype, overwrite=overwrite)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="run directory, its checkpoints/ directory, or checkpoints/<step>")
-    parser.add_argument("--out", required=True, help="HF directory to write")
+    parser.add_argument("--out", required=True,
+                        help="HF directory to write (--format gguf: a .gguf file)")
+    parser.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                        help="hf: safetensors directory; gguf: one llama.cpp/Ollama file")
+    parser.add_argument("--gguf-type", choices=("f32", "f16", "q8_0"), default="f16",
+                        help="--format gguf: storage of every matrix (norms stay f32)")
     parser.add_argument("--step", type=int, default=None, help="default: the latest complete")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory to include (default: the run's tokenizer)")
@@ -116,7 +172,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = export_checkpoint(args.checkpoint, args.out, step=args.step, tokenizer=args.tokenizer,
-                            dtype=args.dtype, overwrite=args.overwrite)
+    import sys
+
+    from jaxrl_llm.models.gguf_export import GGUFExportError
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, step=args.step,
+                                tokenizer=args.tokenizer, dtype=args.dtype,
+                                overwrite=args.overwrite, format=args.format,
+                                gguf_type=args.gguf_type)
+    except GGUFExportError as err:  # an architecture/type/tokenizer GGUF cannot hold
+        print(f"jaxrl-llm export: {err}", file=sys.stderr)
+        return 2
     print(f"exported {args.checkpoint} -> {out}")
     return 0

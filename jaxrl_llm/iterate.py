@@ -26,6 +26,7 @@ from typing import Any
 from etils import epath
 from pydantic import Field
 
+from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ConfigError, ExperimentConfig, Section
 from jaxrl_llm.paths import append_text, as_path
 
@@ -82,9 +83,7 @@ class StageLog:
     def mark(self, stage: str, info: dict[str, Any]) -> None:
         self.stages[stage] = info
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.stages, indent=2))
-        tmp.replace(self.path)
+        atomic_write_text(self.path, json.dumps(self.stages, indent=2))
 
 
 def _say(progress: bool, text: str) -> None:
@@ -138,7 +137,7 @@ def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path
     tracker = (SolveTracker.from_state_dict(json.loads(state_path.read_text()))
                if state_path.exists() else SolveTracker(total_tasks))
     rate = tracker.update((offset + ids).tolist(), (c_per > 0).tolist())
-    state_path.write_text(json.dumps(tracker.state_dict()))
+    atomic_write_text(state_path, json.dumps(tracker.state_dict()))
     row: dict[str, Any] = {"step": (index - 1) * config.train.steps,
                            "samples/cumulative_solve_rate": rate,
                            "samples/accuracy": float(correct.mean())}
@@ -146,6 +145,10 @@ def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path
     if n == int(n_per.max()):  # pass@k needs the same n for every prompt
         curve = pass_at_k_per_question(n, c_per).mean(axis=0)
         row.update({f"samples/pass_at_{k}": float(curve[k - 1]) for k in range(1, n + 1)})
+    from jaxrl_llm.train.metrics_log import truncate_after
+
+    # A generate stage re-run after a kill replaces its row: no step is logged twice.
+    truncate_after(run_dir / "metrics.jsonl", row["step"] - 1)
     append_text(run_dir / "metrics.jsonl", json.dumps(row) + "\n")
     return {k.split("/", 1)[1]: v for k, v in row.items() if k != "step"}
 
@@ -251,8 +254,10 @@ def run_iteration(
         finally:
             trainer.close()
         if result.stopped:
-            raise KeyboardInterrupt(f"iteration {index}: training stopped by SIGTERM at step "
-                                    f"{result.step}; re-run to resume")
+            from jaxrl_llm.train.preemption import Preempted
+
+            raise Preempted(f"iteration {index}: training stopped by SIGTERM at step "
+                            f"{result.step}; re-run to resume")
         new_model = result.state.model()
         log.mark("train", {"steps": result.step, "checkpoints": str(result.checkpoint_dir),
                            "metrics": str(result.metrics_path), "last": result.last_row,
@@ -302,7 +307,8 @@ def run_iterations(
         tokenizer = tokenizer_from_config(config)
     run_dir = as_path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+    atomic_write_text(run_dir / "config.json",
+                      json.dumps(config.model_dump(mode="json"), indent=2))
 
     def initial_model() -> Any:
         return model if model is not None else model_and_tokenizer(config)[0]

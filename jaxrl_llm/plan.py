@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ConfigError, ExperimentConfig, load_config
 from jaxrl_llm.config_cli import add_config_arguments
 
@@ -28,6 +29,9 @@ GIB = 1024**3
 # HBM per chip by TPU generation (public Cloud TPU specs), used when plan.chip_memory_gib is
 # not set.
 CHIP_MEMORY_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
+# Peak dense bf16 FLOP/s and HBM bytes/s per chip (public Cloud TPU specs), for the roofline.
+CHIP_PEAK = {"v4": (275e12, 1228e9), "v5e": (197e12, 819e9), "v5litepod": (197e12, 819e9),
+             "v5p": (459e12, 2765e9), "v6e": (918e12, 1640e9)}
 
 
 class PlanOutOfMemory(RuntimeError):
@@ -65,6 +69,41 @@ class PlanReport:
     model_flops_6nd: float
     chip_memory_bytes: int | None
     largest: list[ArrayInfo] = field(default_factory=list)
+    # LoRA (model.lora): `num_params` counts the trainable adapters, these the frozen base.
+    frozen_params: int = 0
+    lora: dict[str, Any] | None = None
+    # Per-device bytes of each part of the state: params, opt_state, ref_params, model_state.
+    section_bytes: dict[str, int] = field(default_factory=dict)
+    attention: str = "jnp"  # the attention implementation compiled (models/attention.py)
+    pallas_kernels: int = 0  # Mosaic (Pallas TPU) custom calls in the compiled step
+    bytes_accessed_per_device: float = float("nan")
+    attention_flops: float = 0.0  # causal attention matmuls, forward + backward, all devices
+    hardware_flops: float = 0.0  # model + attention + remat's recomputed forward, all devices
+    chip_peak: tuple[float, float] | None = None  # (FLOP/s, HBM bytes/s)
+
+    @property
+    def roofline_seconds(self) -> float | None:
+        """Lower bound on the step time: max(FLOPs / peak, bytes / HBM bandwidth) per chip.
+
+        FLOPs: the larger of the compiled count and the analytic `hardware_flops` (XLA counts a
+        scanned layer once); bytes: the compiled `bytes accessed` (also counted once per loop).
+        """
+        if self.chip_peak is None:
+            return None
+        flops = max(self.flops_per_device, self.hardware_flops / self.num_devices)
+        nbytes = 0.0 if math.isnan(self.bytes_accessed_per_device) else \
+            self.bytes_accessed_per_device
+        return max(flops / self.chip_peak[0], nbytes / self.chip_peak[1])
+
+    @property
+    def mfu_bound(self) -> float | None:
+        """Model FLOPs utilisation at the roofline time: (6·N·tokens + attention) / (chips ·
+        peak · bound); the most this step can reach on this topology."""
+        bound = self.roofline_seconds
+        if not bound or self.chip_peak is None:
+            return None
+        useful = self.model_flops_6nd + self.attention_flops
+        return useful / (self.num_devices * self.chip_peak[0] * bound)
 
     @property
     def peak_bytes(self) -> int:
@@ -85,6 +124,21 @@ def _chip_memory(config: ExperimentConfig) -> int | None:
         if gen in CHIP_MEMORY_GIB:
             return int(CHIP_MEMORY_GIB[gen] * GIB)
     return None
+
+
+def _chip_peak(config: ExperimentConfig) -> tuple[float, float] | None:
+    if config.plan.platform == "tpu" and config.plan.topology:
+        return CHIP_PEAK.get(config.plan.topology.split(":")[0].lower())
+    return None
+
+
+def attention_flops(decoder: Any, batch_size: int, seq_len: int) -> float:
+    """Causal self-attention matmuls of one step, forward + backward (3× forward): per layer
+    and token 2 matmuls × 2·Hq·D·(keys seen), keys seen ≈ T/2 (causal) or the window."""
+    c, tokens = decoder, batch_size * seq_len
+    seen = [min(seq_len / 2, c.sliding_window) if local else seq_len / 2
+            for local in c.sliding_layers]
+    return 3.0 * sum(4.0 * c.num_heads * c.head_dim * k * tokens for k in seen)
 
 
 def libtpu_available() -> bool:
@@ -193,16 +247,18 @@ def _path_str(path: Any) -> str:
     return ".".join(parts)
 
 
-def _array_infos(state: Any) -> tuple[list[ArrayInfo], int]:
+def _array_infos(state: Any) -> tuple[list[ArrayInfo], dict[str, int]]:
+    """(every state array, largest first; per-device bytes of each state section)."""
     import jax
     import numpy as np
 
     infos = []
-    total_device = 0
+    sections: dict[str, int] = {}
     for section in ("params", "opt_state", "ref_params", "model_state"):
         tree = getattr(state, section)
         if tree is None:
             continue
+        total_device = 0
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             itemsize = np.dtype(leaf.dtype).itemsize
             shard = leaf.sharding.shard_shape(leaf.shape)
@@ -213,23 +269,38 @@ def _array_infos(state: Any) -> tuple[list[ArrayInfo], int]:
                 dtype=str(np.dtype(leaf.dtype)), spec=str(leaf.sharding.spec),
                 global_bytes=int(math.prod(leaf.shape)) * itemsize, device_bytes=device_bytes,
             ))
+        sections[section] = total_device
     infos.sort(key=lambda a: -a.global_bytes)
-    return infos, total_device
+    return infos, sections
 
 
 def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     """Lower and compile the config's train step on abstract inputs; see the module doc."""
+    from jaxrl_llm.models.attention import attention_mesh
+    from jaxrl_llm.models.attention import resolve as resolve_attention
+    from jaxrl_llm.models.loading import decoder_config
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.state import abstract_train_state, count_params
     from jaxrl_llm.train.step import make_train_step
 
     devices, topology, note = select_devices(config)
+    # "auto" dtypes resolve for the target's platform, not this CPU's.
+    from jaxrl_llm.models.config import resolve_compute_dtype
+
+    model = config.model.model_copy(update={
+        key: resolve_compute_dtype(getattr(config.model, key), devices[0].platform)
+        for key in ("param_dtype", "compute_dtype")})
+    config = config.model_copy(update={"model": model})
     mesh = make_mesh(config.mesh, devices)
     state = abstract_train_state(config, mesh)
     batch = abstract_batch(config, mesh)
     step = make_train_step(config, mesh, state)
+    decoder = decoder_config(config.model)
     start = time.perf_counter()
-    lowered = step.lower(state, batch)
+    with attention_mesh(mesh):  # "auto" attention resolves for the mesh's platform
+        lowered = step.lower(state, batch)
+        impl = resolve_attention(decoder.attention, dtype=decoder.compute_jnp_dtype,
+                                 logit_softcap=decoder.attn_logit_softcap)
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA raises JaxRuntimeError; only memory exhaustion is a result
@@ -246,9 +317,15 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
-    infos, state_bytes = _array_infos(state)
+    infos, sections = _array_infos(state)
     n_params = count_params(state.params)
+    frozen = count_params(state.model_state)  # the frozen base under LoRA; else ≈ 0
     tokens = config.train.batch_size * config.train.max_seq_len
+    if impl == "splash" and config.train.max_seq_len % 128:
+        impl = "jnp"  # models/attention.py: the kernel tiles 128-multiple sequences
+    attn = attention_flops(decoder, config.train.batch_size, config.train.max_seq_len)
+    # remat=full recomputes the forward in the backward pass: 8·N·tokens instead of 6.
+    recompute = 4 / 3 if config.model.remat == "full" else 1.0
     return PlanReport(
         config_name=config.name,
         platform=devices[0].platform,
@@ -265,11 +342,20 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
         code_bytes=int(mem.generated_code_size_in_bytes),
-        state_bytes_per_device=state_bytes,
+        state_bytes_per_device=sum(sections.values()),
         flops_per_device=float(cost.get("flops", float("nan"))),
-        model_flops_6nd=6.0 * n_params * tokens,
+        model_flops_6nd=6.0 * (n_params + frozen) * tokens,
         chip_memory_bytes=_chip_memory(config),
         largest=infos[:top],
+        frozen_params=frozen,
+        lora=None if config.model.lora is None else config.model.lora.model_dump(),
+        section_bytes=sections,
+        attention=impl,
+        pallas_kernels=compiled.as_text().count("tpu_custom_call"),
+        bytes_accessed_per_device=float(cost.get("bytes accessed", float("nan"))),
+        attention_flops=attn,
+        hardware_flops=recompute * (6.0 * (n_params + frozen) * tokens + attn),
+        chip_peak=_chip_peak(config),
     )
 
 
@@ -285,13 +371,23 @@ def format_report(r: PlanReport) -> str:
     lines = [f"### {r.config_name}: {r.topology} ({r.num_devices} {r.platform} devices)", ""]
     if r.fallback_note:
         lines += [f"> NOTE: {r.fallback_note}", ""]
+    params = f"{r.num_params / 1e6:,.1f} M parameters"
+    if r.lora is not None:
+        targets = ", ".join(r.lora["targets"])
+        params = (f"{(r.num_params + r.frozen_params) / 1e6:,.1f} M parameters, of which "
+                  f"{r.num_params / 1e6:,.2f} M trainable LoRA adapters (rank {r.lora['rank']}, "
+                  f"alpha {r.lora['alpha']:g} on {targets}); the base is frozen")
     lines += [
         f"mesh {mesh}; batch {r.batch['batch_size']}×{r.batch['seq_len']} tokens "
-        f"(micro-batch {r.batch['micro_batch_size']}); {r.num_params / 1e6:,.1f} M parameters; "
+        f"(micro-batch {r.batch['micro_batch_size']}); {params}; "
         f"compiled in {r.compile_seconds:.1f} s",
         "",
         "| per device | bytes |",
         "| --- | --- |",
+        f"| state: trainable parameters + optimizer state | "
+        f"{_gib(r.section_bytes.get('params', 0) + r.section_bytes.get('opt_state', 0))} |",
+        f"| state: frozen weights (LoRA base) + reference policy | "
+        f"{_gib(r.section_bytes.get('model_state', 0) + r.section_bytes.get('ref_params', 0))} |",
         f"| arguments (state + batch) | {_gib(r.argument_bytes)} |",
         f"| outputs | {_gib(r.output_bytes)} |",
         f"| aliased (donated state reused) | {_gib(r.alias_bytes)} |",
@@ -310,9 +406,22 @@ def format_report(r: PlanReport) -> str:
         f"| FLOPs per step (per device / all devices) | {r.flops_per_device:.3e} / "
         f"{total:.3e} |",
         f"| 6·N·tokens (model FLOPs, no attention) | {r.model_flops_6nd:.3e} |",
+        f"| attention FLOPs (causal, fwd + bwd) | {r.attention_flops:.3e} |",
+        f"| attention kernel | {r.attention} ({r.pallas_kernels} Pallas TPU kernels compiled) |",
+    ]
+    bound = r.roofline_seconds
+    if bound is not None:
+        lines += [
+            f"| compiled bytes accessed per device | {r.bytes_accessed_per_device:.3e} |",
+            f"| roofline bound on step time (peak {r.chip_peak[0] / 1e12:.0f} TFLOP/s, "
+            f"{r.chip_peak[1] / 1e9:.0f} GB/s) | {bound:.2f} s → MFU ≤ {r.mfu_bound:.0%} |",
+        ]
+    lines += [
         "",
         "XLA's cost analysis counts a `while` loop body once, so with `scan_layers` (and the "
-        "chunked log-prob scan) the compiled FLOPs undercount; 6·N·tokens is the model's.",
+        "chunked log-prob scan) the compiled FLOPs and bytes undercount; 6·N·tokens is the "
+        "model's. The roofline takes the larger of the compiled FLOPs and the analytic "
+        "hardware FLOPs (model + attention, × 4/3 with remat=full).",
         "",
         "Largest arrays of the state:",
         "",
@@ -357,7 +466,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(format_report(report), end="")
     if args.json_path:
-        data = asdict(report) | {"peak_bytes": report.peak_bytes, "fits": report.fits}
-        with open(args.json_path, "w") as f:
-            json.dump(data, f, indent=2)
+        data = asdict(report) | {"peak_bytes": report.peak_bytes, "fits": report.fits,
+                                 "roofline_seconds": report.roofline_seconds,
+                                 "mfu_bound": report.mfu_bound}
+        atomic_write_text(args.json_path, json.dumps(data, indent=2))
     return 0 if report.fits is not False else 1

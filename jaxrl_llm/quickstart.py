@@ -28,6 +28,7 @@ from typing import Any
 from etils import epath
 from pydantic import Field
 
+from jaxrl_llm.atomic import atomic_directory, atomic_write_text
 from jaxrl_llm.config import Section, config_from_dict
 from jaxrl_llm.iterate import IterateConfig
 from jaxrl_llm.paths import as_path
@@ -111,7 +112,8 @@ def build_tokenizer(config: QuickstartConfig, task: Any, out_dir: epath.Path) ->
     problems = task.load(split="train", num=2000, seed=config.seed)
     texts = [task.prompt(p) + (task.gold_completion(p) or "") for p in problems]
     tokenizer = train_bpe_tokenizer(texts, config.tokenizer_vocab_size)
-    tokenizer.save_pretrained(str(out_dir))
+    with atomic_directory(out_dir, overwrite=True) as tmp:  # a killed save leaves no half
+        tokenizer.save_pretrained(str(tmp))
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
@@ -150,6 +152,7 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     probe = task.load(split="validation", num=s.eval_questions, seed=config.seed)
     e, g = config.eval, config.generate
     trainer: Trainer | None = None
+    reached: list[int] = []  # the step at which the target stopped SFT (not SIGTERM)
 
     def eval_hook(step: int, state: Any) -> dict[str, float]:
         summary, _ = evaluate_model(
@@ -164,6 +167,7 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
                   f"(invalid {summary['proportions']['invalid']:.3f})", flush=True)
         if s.target_pass_at_1 is not None and p1 >= s.target_pass_at_1 and trainer is not None:
             trainer.request_stop()
+            reached.append(step)
         return {"pass_at_1": p1, "pass_at_1_se": summary["pass_at_1"]["se"],
                 "invalid": summary["proportions"]["invalid"]}
 
@@ -174,6 +178,10 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
         result = trainer.run()
     finally:
         trainer.close()
+    if result.stopped and not reached:  # SIGTERM: never mark a partial SFT stage done
+        from jaxrl_llm.train.preemption import Preempted
+
+        raise Preempted(f"SFT stopped by SIGTERM at step {result.step}; re-run to resume")
     info = {"steps": result.step, "last": result.last_row, "seconds": time.perf_counter() - t0,
             "checkpoints": str(result.checkpoint_dir)}
     log.mark("train", info)
@@ -244,7 +252,7 @@ def run_quickstart(config: QuickstartConfig, *, progress: bool = True) -> dict[s
         },
         "transformers_load": loads,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     print("\n" + table)
     print(f"\ntransformers loads the export: {loads}")
     print(f"time: {timings['total']:.0f} s "

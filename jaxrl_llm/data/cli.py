@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from jaxrl_llm.atomic import atomic_open
     from jaxrl_llm.data.shards import RecordSource
 
     if args.data_command == "stats":
@@ -83,11 +85,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"--- prompt ({r.prompt_ids.size} tokens)\n{r.prompt_text}")
             print(f"--- completion ({r.completion_ids.size} tokens)\n{r.completion_text}")
         return 0
-    out = open(args.out, "w") if args.out else sys.stdout
-    try:
+    with atomic_open(args.out) if args.out else contextlib.nullcontext(sys.stdout) as out:
         for r in source:
             out.write(json.dumps(r.to_json()) + "\n")
-    finally:
-        if args.out:
-            out.close()
     return 0

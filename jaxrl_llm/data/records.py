@@ -140,6 +140,8 @@ def validate_record(record: Record, *, where: str, vocab_size: int | None = None
         raise RecordError(f"{where}: prompt_ids/completion_ids must be 1-D")
     if record.prompt_ids.size == 0:
         raise RecordError(f"{where}: prompt_ids is empty (a completion needs a context token)")
+    if record.completion_ids.size == 0:
+        raise RecordError(f"{where}: completion_ids is empty (nothing to train on or score)")
     n = record.completion_ids.shape[0]
     for name in ("prompt_ids", "completion_ids"):
         ids = getattr(record, name)

@@ -24,6 +24,7 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
+from jaxrl_llm.atomic import atomic_write_bytes, atomic_write_text
 from jaxrl_llm.data.records import Record, RecordError, validate_record
 
 MANIFEST_NAME = "manifest.json"
@@ -114,6 +115,9 @@ class ShardWriter:
             raise FileExistsError(f"{self.directory} already holds records (pass overwrite=True)")
         self.directory.mkdir(parents=True, exist_ok=True)
         if overwrite:
+            # The old manifest goes first: it must never describe half-rewritten shards.
+            if (self.directory / MANIFEST_NAME).exists():
+                (self.directory / MANIFEST_NAME).unlink()
             for old in self.directory.glob("records-*"):
                 old.unlink()
         self.records_per_shard = records_per_shard
@@ -142,7 +146,8 @@ class ShardWriter:
         name = _shard_name(self._shard_index)
         buf = io.BytesIO()
         np.save(buf, np.asarray(self._lengths, np.int32).reshape(-1, 2))
-        (self.directory / name.replace(".array_record", ".lengths.npy")).write_bytes(buf.getvalue())
+        atomic_write_bytes(self.directory / name.replace(".array_record", ".lengths.npy"),
+                           buf.getvalue())
         self.manifest.shards.append({"path": name, "count": self._in_shard})
         self._writer = None
 
@@ -169,7 +174,8 @@ class ShardWriter:
         self.manifest.num_groups = len(self._groups)
         if not self.manifest.created:
             self.manifest.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        (self.directory / MANIFEST_NAME).write_text(self.manifest.to_json())
+        # Last, and atomic: the manifest is what marks the directory complete.
+        atomic_write_text(self.directory / MANIFEST_NAME, self.manifest.to_json())
         return self.manifest
 
     def __enter__(self) -> ShardWriter:
@@ -203,13 +209,13 @@ def write_shard(directory: str | epath.PathLike, name: str, records: Sequence[Re
         writer.close()
     buf = io.BytesIO()
     np.save(buf, np.asarray(lengths, np.int32).reshape(-1, 2))
-    (directory / name.replace(".array_record", ".lengths.npy")).write_bytes(buf.getvalue())
+    atomic_write_bytes(directory / name.replace(".array_record", ".lengths.npy"), buf.getvalue())
     tmp.rename(final)
     return {"path": name, "count": len(lengths)}
 
 
 def write_manifest(directory: str | epath.PathLike, manifest: Manifest) -> None:
-    (epath.Path(directory) / MANIFEST_NAME).write_text(manifest.to_json())
+    atomic_write_text(epath.Path(directory) / MANIFEST_NAME, manifest.to_json())
 
 
 def write_records(

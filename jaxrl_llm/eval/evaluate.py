@@ -11,14 +11,16 @@ import argparse
 import json
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from etils import epath
 
+from jaxrl_llm.atomic import atomic_open, atomic_write_text
 from jaxrl_llm.eval.metrics import EvalSamples, evaluation_summary
 from jaxrl_llm.paths import PathLike, as_path, copy_tree, is_remote
+from jaxrl_llm.tasks.base import reward_error_metrics
 
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "samples.jsonl"
@@ -31,6 +33,8 @@ class Graded:
     texts: list[list[str]]
     answers: list[list[str | None]]
     correct: list[list[bool]]
+    # Per sample: None, or why its reward could not be computed ("timeout", "verifier_error").
+    reward_errors: list[list[str | None]] = field(default_factory=list)
 
     def samples(self) -> EvalSamples:
         return EvalSamples.from_answers(self.answers, self.correct)
@@ -61,11 +65,12 @@ def sample_and_grade(
     results = task.score_many([problems[c.prompt_index] for c in completions], texts)
     q = len(problems)
     graded: Graded = Graded([[] for _ in range(q)], [[] for _ in range(q)],
-                            [[] for _ in range(q)])
+                            [[] for _ in range(q)], [[] for _ in range(q)])
     for c, text, result in zip(completions, texts, results, strict=True):
         graded.texts[c.prompt_index].append(text)
         graded.answers[c.prompt_index].append(None if result.invalid else result.answer)
         graded.correct[c.prompt_index].append(bool(result.correct))
+        graded.reward_errors[c.prompt_index].append(result.info.get("reward_error"))
     return graded
 
 
@@ -131,6 +136,8 @@ def evaluate_model(
                                   seed=seed)
     summary = evaluation_summary(graded.samples(), maj_k=maj_k, trials=trials, seed=seed,
                                  verdicts=verdicts)
+    # A reward the verifier could not compute is counted, never folded silently into "wrong".
+    summary.update(reward_error_metrics([e for row in graded.reward_errors for e in row]))
     if verdicts is not None:
         summary["verifier_invalid_rate"] = float((verdicts < 0).mean())
     summary.update(task=getattr(task, "name", ""), temperature=temperature,
@@ -144,16 +151,14 @@ def write_eval(out_dir: PathLike, summary: dict[str, Any], graded: Graded | None
     out = as_path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / EVAL_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    tmp.replace(path)
-    if graded is not None and problems is not None:
-        with (out / SAMPLES_FILE).open("w") as f:
+    if graded is not None and problems is not None:  # before eval.json, which marks completion
+        with atomic_open(out / SAMPLES_FILE) as f:
             for problem, texts, answers, correct in zip(problems, graded.texts, graded.answers,
                                                         graded.correct, strict=True):
                 f.write(json.dumps({"id": problem.id, "question": problem.question,
                                     "gold": problem.answer, "answers": answers,
                                     "correct": correct, "completions": texts}) + "\n")
+    atomic_write_text(path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return path
 
 
@@ -165,6 +170,9 @@ def load_model_and_tokenizer(model_path: str | None, config: Any,
 
         model, tok = model_and_tokenizer(config)
         return model, tok, {"model": config.model.path or config.model.source}
+    from jaxrl_llm.models.hub import resolve_model_dir  # a hub id -> its cached snapshot
+
+    model_path = resolve_model_dir(str(model_path), key="--model")
     path = as_path(model_path)  # a checkpoint may be remote (Orbax reads gs://)
     if (path / "config.json").is_file():
         name = str(path)
@@ -172,18 +180,25 @@ def load_model_and_tokenizer(model_path: str | None, config: Any,
             path = copy_tree(path, tempfile.mkdtemp(prefix="jaxrl-model-"))
         from transformers import AutoTokenizer
 
-        from jaxrl_llm.models.loading import load_model
+        from jaxrl_llm.models.loading import check_tokenizer_fits, load_model
 
         tok = AutoTokenizer.from_pretrained(str(tokenizer or path))
         # The config's numerics (dtypes, remat, scan) apply to an exported directory too.
         source = config.model.model_copy(update={"source": "hf", "path": str(path)})
-        return load_model(source, seed=config.seed).model, tok, {"model": name}
+        model = load_model(source, seed=config.seed).model
+        check_tokenizer_fits(tok, model.config.vocab_size, tokenizer_from=str(tokenizer or path),
+                             model_from=str(path))
+        return model, tok, {"model": name}
     from jaxrl_llm.export import tokenizer_for
+    from jaxrl_llm.models.loading import check_tokenizer_fits
     from jaxrl_llm.train.checkpoint import restore_model
 
     restored = restore_model(path)
-    return (restored.model, tokenizer_for(restored.config, tokenizer),
-            {"model": str(path), "step": restored.step})
+    tok = tokenizer_for(restored.config, tokenizer)
+    check_tokenizer_fits(tok, restored.model.config.vocab_size,
+                         tokenizer_from=str(tokenizer or restored.config.data.tokenizer or "char"),
+                         model_from=str(path))
+    return restored.model, tok, {"model": str(path), "step": restored.step}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ def format_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: boo
     if not chat_template:
         return list(prompts)
     if not getattr(tokenizer, "chat_template", None):
-        from jaxrl_llm.config import ConfigError
+        from jaxrl_llm.errors import ConfigError
 
         raise ConfigError(f"data.chat_template=true but tokenizer "
                           f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} "

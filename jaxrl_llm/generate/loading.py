@@ -48,14 +48,24 @@ def tokenizer_from_config(config: ExperimentConfig) -> Any:
     path = name or m.path
     if path is None:
         raise ConfigError("data.tokenizer (or model.path) must name a tokenizer directory")
+    from jaxrl_llm.models.hub import resolve_model_dir  # a hub id -> its cached snapshot
+
+    path = resolve_model_dir(str(path), revision=None if name else m.revision,
+                             key="data.tokenizer" if name else "model.path")
     return AutoTokenizer.from_pretrained(path)
 
 
 def model_and_tokenizer(config: ExperimentConfig, *, mesh: Any = None) -> tuple[Any, Any]:
     """(NNX decoder, tokenizer) for `config.model`, loaded by `models.loading.load_model`
     (with `mesh`: every parameter straight into its sharding)."""
-    from jaxrl_llm.models.loading import load_model
+    from jaxrl_llm.models.loading import check_tokenizer_fits, load_model
 
     model, own = load_model(config.model, seed=config.seed, mesh=mesh)
-    tokenizer = own if own is not None and config.data.tokenizer is None else None
-    return model, tokenizer if tokenizer is not None else tokenizer_from_config(config)
+    if own is not None and config.data.tokenizer is None:
+        return model, own  # the GGUF's own tokenizer (checked against it by read_gguf)
+    tokenizer = tokenizer_from_config(config)
+    m = config.model
+    check_tokenizer_fits(tokenizer, model.config.vocab_size,
+                         tokenizer_from=str(config.data.tokenizer or m.path or "char"),
+                         model_from=str(m.path or f"model.source={m.source}"))
+    return model, tokenizer

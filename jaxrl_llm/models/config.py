@@ -17,6 +17,8 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
+from jaxrl_llm.errors import ModelFileError
+
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 
@@ -46,7 +48,18 @@ _REJECT_IF_SET: dict[str, Any] = {
 }
 
 
-class UnsupportedConfigError(ValueError):
+def resolve_compute_dtype(name: str, platform: str | None = None) -> str:
+    """`model.compute_dtype` / `model.param_dtype`: "auto" is bfloat16 on accelerators (TPU,
+    GPU), float32 on CPU (where bf16 matmuls are slower than fp32)."""
+    if name != "auto":
+        return name
+    import jax
+
+    platform = platform or jax.default_backend()
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+class UnsupportedConfigError(ModelFileError):
     """A Hugging Face config (or field value) this decoder does not implement."""
 
 
@@ -103,6 +116,10 @@ class DecoderConfig:
     compute_dtype: str = "float32"
     remat: RematPolicy = "none"
     scan_layers: bool = False
+    # Attention kernel (models/attention.py): auto | jnp | xla | cudnn | splash.
+    attention: str = "auto"
+    # LoRA adapters (`models.lora.LoraSpec`; set by `models.lora.add_lora`); None = none.
+    lora: Any = None
     # Token ids carried through HF import/export (config.json and generation_config.json).
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -131,6 +148,11 @@ class DecoderConfig:
         if self.remat not in ("none", "full", "dots", "dots_no_batch"):
             raise UnsupportedConfigError(
                 f"remat={self.remat!r} is not one of 'none', 'full', 'dots', 'dots_no_batch'"
+            )
+        if self.attention not in ("auto", "jnp", "xla", "cudnn", "splash"):
+            raise UnsupportedConfigError(
+                f"attention={self.attention!r} is not one of 'auto', 'jnp', 'xla', 'cudnn', "
+                "'splash'"
             )
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise UnsupportedConfigError(f"hidden_act={self.hidden_act!r} is not supported")
@@ -230,9 +252,11 @@ class DecoderConfig:
                        f"(only {expected_act!r})")
 
         rope = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling")
-        if legacy:
-            rope = {**dict(legacy), **rope}
+        legacy = dict(hf.get("rope_scaling") or {})
+        if legacy:  # as transformers reads a file with both: the legacy rope_scaling wins
+            if "type" in legacy:
+                legacy.setdefault("rope_type", legacy.pop("type"))
+            rope = {**rope, **legacy}
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10_000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -382,8 +406,9 @@ class DecoderConfig:
             query_pre_attn_scalar=None,
             max_position_embeddings=model.max_position_embeddings,
             hidden_act="gelu_tanh" if model.family == "gemma2" else "silu",
-            param_dtype=model.param_dtype,
-            compute_dtype=model.compute_dtype,
+            param_dtype=resolve_compute_dtype(model.param_dtype),
+            compute_dtype=resolve_compute_dtype(model.compute_dtype),
             remat=model.remat,
             scan_layers=model.scan_layers,
+            attention=getattr(model, "attention", "auto"),
         )

@@ -18,7 +18,9 @@ by `config.remat`.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import chex
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from jaxrl_llm.models.attention import resolve, self_attention
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.layers import (
     MLP,
@@ -105,7 +108,7 @@ def block_forward(
     x: Array,
     cos: Array,
     sin: Array,
-    mask: Array,
+    mask: Array | Callable[[Array, Array, Array], Array],
     kv: tuple[Array, Array] | None,
     layer_index: Array | int,
     cache_index: Array | None,
@@ -113,6 +116,8 @@ def block_forward(
 ) -> tuple[Array, tuple[Array, Array] | None]:
     """One pre-norm layer on the pure parameter dict `p`.
 
+    mask: the [B, T, S] mask for `layers.dot_product_attention`, or a function
+    `(q, k, v) -> attention output` (a fused kernel from `models/attention.py`).
     kv: the whole stacked cache (k, v) [L, B, S, Hkv, D] or None; this layer's new keys and
     values are written into it in place (one dynamic_update_slice on the loop-carried buffer,
     so a decode step never copies the cache) and the updated pair is returned.
@@ -128,8 +133,11 @@ def block_forward(
         kv = (ck, cv)
         k = jax.lax.dynamic_index_in_dim(ck, layer_index, 0, keepdims=False).astype(q.dtype)
         v = jax.lax.dynamic_index_in_dim(cv, layer_index, 0, keepdims=False).astype(q.dtype)
-    attn = dot_product_attention(q, k, v, mask, scale=c.attn_scale,
-                                 logit_softcap=c.attn_logit_softcap)
+    if callable(mask):
+        attn = mask(q, k, v)
+    else:
+        attn = dot_product_attention(q, k, v, mask, scale=c.attn_scale,
+                                     logit_softcap=c.attn_logit_softcap)
     h = project_out(p["attn"], attn, c)
     if c.is_gemma:
         h = norm(h, "post_attn_norm")
@@ -246,14 +254,25 @@ class Decoder(nnx.Module):
             kv_pos = jax.lax.dynamic_update_slice(cache.positions, positions, (0, cache_index))
             kv_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
         sliding = c.sliding_layers
-        masks = {
+        # Without a cache a fused kernel may run (models/attention.py); with one, or for "jnp",
+        # the explicit masks, built once for all layers.
+        impl = "jnp" if cache is not None else resolve(
+            c.attention, dtype=dt, logit_softcap=c.attn_logit_softcap)
+        masks_kinds = set(sliding)
+        masks = {} if impl != "jnp" else {
             kind: attention_mask(segment_ids, positions, q_slots, kv_seg, kv_pos, kv_slots,
                                  c.sliding_window if kind else None)
             for kind in set(sliding)
         }
 
         def layer(p, x, is_sliding, kv, layer_index):
-            if len(masks) == 1:
+            if not masks:
+                mask = functools.partial(
+                    self_attention, segment_ids=segment_ids, scale=c.attn_scale,
+                    logit_softcap=c.attn_logit_softcap, window=c.sliding_window,
+                    is_local=sliding[0] if len(masks_kinds) == 1 else is_sliding,
+                    implementation=impl)
+            elif len(masks) == 1:
                 mask = next(iter(masks.values()))
             elif isinstance(is_sliding, bool):
                 mask = masks[is_sliding]

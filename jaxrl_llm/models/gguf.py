@@ -28,12 +28,17 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from transformers import PreTrainedTokenizerFast
 
-from jaxrl_llm.models.tokenizer import GGUFTokenizerMetadata, tokenizer_from_gguf_metadata
+from jaxrl_llm.errors import ModelFileError
+from jaxrl_llm.models.tokenizer import (
+    GGUFTokenizerMetadata,
+    TokenizerMetadataError,
+    tokenizer_from_gguf_metadata,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
-class GGUFError(ValueError):
+class GGUFError(ModelFileError):
     """A GGUF file that we cannot load faithfully (names the file and the field or tensor)."""
 
 
@@ -284,11 +289,14 @@ def read_gguf(path: str | Path) -> tuple[GGUFReader, GGUFInfo, PreTrainedTokeniz
     meta = read_metadata(reader)
     tensor_names = {t.name for t in reader.tensors}
     hf_config = hf_config_from_metadata(meta, tensor_names, path)
-    tokenizer = tokenizer_from_gguf_metadata(tokenizer_metadata(meta, path))
+    try:
+        tokenizer = tokenizer_from_gguf_metadata(tokenizer_metadata(meta, path))
+    except TokenizerMetadataError as err:  # its messages name the key, not the file
+        raise GGUFError(f"{path}: {err}") from err
     if len(tokenizer) > hf_config["vocab_size"]:
         raise GGUFError(
-            f"{path}: tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-            f"{hf_config['vocab_size']}"
+            f"{path}: tokenizer (tokenizer.ggml.tokens) has {len(tokenizer)} tokens but the "
+            f"model's vocab_size is {hf_config['vocab_size']}"
         )
     info = GGUFInfo(
         path=path,

@@ -249,7 +249,9 @@ def model_from_state_dict(
     missing = sorted(expected - set(tensors))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]}{more}")
+        searched = (f" (not in {sorted({p.name for p in tensors.files.values()})})"
+                    if isinstance(tensors, _LazySafetensors) else "")
+        raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]}{more}{searched}")
     unexpected = sorted(
         n for n in set(tensors) - expected
         if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight"

@@ -29,12 +29,14 @@ from jaxrl_llm.models.hf_params import (
     _ParamReader,
     _per_layer_shapes,
 )
+from jaxrl_llm.models.lora_export import merge_lora
 
 __all__ = ["save_pretrained", "state_dict"]
 
 
 def _hf_tensors(model: Decoder, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) in mapping-table order, converted one at a time."""
+    model = merge_lora(model)  # LoRA adapters folded in: W + (α/r)·A·B (a no-op without)
     c: DecoderConfig = model.config
     read = _ParamReader(model)
     for hf_name, ours, layout in expand_rules(tensor_rules(c), c.num_layers):

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxrl_llm.errors import ModelFileError
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 
@@ -25,7 +26,7 @@ _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": 
 EXPORT_DTYPES: tuple[str, ...] = tuple(_NP_DTYPES)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ModelFileError):
     """A Hugging Face checkpoint that does not match what the config says (names the tensor)."""
 
 

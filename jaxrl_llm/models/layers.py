@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.lora import ADAPTER_SUFFIX, attach_adapters, lora_delta
 
 Array = jax.Array
 # Large negative (not -inf) so a fully masked row (a padding query) stays finite.
@@ -168,6 +169,18 @@ def dense(x: Array, w: Array, in_dims: int = 1) -> Array:
     return y.reshape(*lead, *out_shape)
 
 
+def project(p: dict[str, Any], name: str, x: Array, config: DecoderConfig,
+            in_dims: int = 1) -> Array:
+    """x through the weight `p[name]` (compute dtype), plus its LoRA update when the weight
+    has an adapter (`models.lora`)."""
+    dt = config.compute_jnp_dtype
+    y = dense(x.astype(dt), p[name].astype(dt), in_dims)
+    adapter = p.get(name + ADAPTER_SUFFIX)
+    if adapter is not None:
+        y = y + lora_delta(adapter, x, in_dims=in_dims, scale=config.lora.scale, dtype=dt)
+    return y
+
+
 def softcap(x: Array, cap: float | None) -> Array:
     """cap · tanh(x / cap) (Gemma 2 logit soft-capping); identity when cap is None."""
     return x if cap is None else cap * jnp.tanh(x / cap)
@@ -220,6 +233,8 @@ class Attention(nnx.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(hd, c, stack=stack)
             self.k_norm = RMSNorm(hd, c, stack=stack)
+        if c.lora is not None:
+            attach_adapters(self, "attn", c.lora, rngs, stacked=stack is not None)
 
 
 def project_qkv(
@@ -232,9 +247,7 @@ def project_qkv(
     c = config
     dt = c.compute_jnp_dtype
     x = x.astype(dt)
-    q = dense(x, p["q"].astype(dt))
-    k = dense(x, p["k"].astype(dt))
-    v = dense(x, p["v"].astype(dt))
+    q, k, v = (project(p, name, x, c) for name in ("q", "k", "v"))
     if c.qkv_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -248,7 +261,7 @@ def project_qkv(
 def project_out(p: dict[str, Any], attn: Array, config: DecoderConfig) -> Array:
     """Attention output [B,T,Hq,D] -> [B,T,d] through o (and its bias)."""
     dt = config.compute_jnp_dtype
-    out = dense(attn.astype(dt), p["o"].astype(dt), in_dims=2)
+    out = project(p, "o", attn, config, in_dims=2)
     if config.o_bias:
         out = out + p["o_bias"].astype(dt)
     return out
@@ -263,6 +276,8 @@ class MLP(nnx.Module):
         self.gate = make_param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), **p)
         self.up = make_param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), **p)
         self.down = make_param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), **p)
+        if c.lora is not None:
+            attach_adapters(self, "mlp", c.lora, rngs, stacked=stack is not None)
 
 
 def mlp(p: dict[str, Any], x: Array, config: DecoderConfig) -> Array:
@@ -273,5 +288,5 @@ def mlp(p: dict[str, Any], x: Array, config: DecoderConfig) -> Array:
         jax.nn.silu if config.hidden_act == "silu"
         else lambda h: jax.nn.gelu(h, approximate=True)
     )
-    h = act(dense(x, p["gate"].astype(dt))) * dense(x, p["up"].astype(dt))
-    return dense(h, p["down"].astype(dt))
+    h = act(project(p, "gate", x, config)) * project(p, "up", x, config)
+    return project(p, "down", h, config)

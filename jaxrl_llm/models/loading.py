@@ -6,7 +6,8 @@ section's numerics — `param_dtype`, `compute_dtype`, `remat`, `scan_layers` �
 for every source:
 
     random   a fresh `Decoder` of the section's architecture, seeded
-    hf       a Hugging Face directory (`model.path`: config.json + *.safetensors)
+    hf       a Hugging Face directory (`model.path`: config.json + *.safetensors), or a
+             Hub id (`org/name`, pinned by `model.revision`) resolved from the HF cache
     gguf     a llama.cpp GGUF file (`model.path`)
     smollm2  the packaged SmolLM2-135M-Instruct GGUF (`model.path` overrides the file)
 
@@ -45,20 +46,28 @@ class LoadedModel(NamedTuple):
 def numerics(model_config: Any) -> dict[str, Any]:
     """The `DecoderConfig` fields the `model:` section sets for every source."""
     m = model_config
-    return {"param_dtype": m.param_dtype, "compute_dtype": m.compute_dtype, "remat": m.remat,
-            "scan_layers": m.scan_layers}
+    from jaxrl_llm.models.config import resolve_compute_dtype
+
+    return {"param_dtype": resolve_compute_dtype(m.param_dtype),
+            "compute_dtype": resolve_compute_dtype(m.compute_dtype),
+            "remat": m.remat,
+            "scan_layers": m.scan_layers, "attention": m.attention}
 
 
-def weights_path(model_config: Any) -> str:
+def weights_path(model_config: Any, *, files: list[str] | None = None) -> str:
     """The file or directory the weights come from; a `ConfigError` naming `model.path`
     when a pretrained source has none."""
-    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.errors import ConfigError
 
     m = model_config
     if m.source not in WEIGHT_SOURCES:
         raise ConfigError(f"model.source={m.source!r} has no weights file (one of "
                           f"{list(WEIGHT_SOURCES)} has)")
     if m.path is not None:
+        if m.source == "hf":  # a hub id (org/name) -> its cached snapshot (models/hub.py)
+            from jaxrl_llm.models.hub import resolve_model_dir
+
+            return resolve_model_dir(str(m.path), revision=m.revision, files=files)
         return str(m.path)
     if m.source == "smollm2":
         from jaxrl_llm.models.packaged import smollm2_gguf_path
@@ -80,11 +89,12 @@ def decoder_config(model_config: Any) -> DecoderConfig:
     m = model_config
     if m.source == "random":
         return DecoderConfig.from_model_config(m)
-    path = weights_path(m)
+    path = weights_path(m, files=["config.json"])  # a hub id: its config only
     if m.source == "hf" and (Path(path) / "config.json").is_file():
         from jaxrl_llm.models.hf import read_hf_config
 
-        return DecoderConfig.from_hf(read_hf_config(path), source=path, **numerics(m))
+        return DecoderConfig.from_hf(read_hf_config(path), source=str(Path(path) / "config.json"),
+                                     **numerics(m))
     if m.source != "hf" and Path(path).is_file():
         from jaxrl_llm.models.gguf import gguf_hf_config
 
@@ -124,7 +134,7 @@ def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
         return LoadedModel(random_model(decoder_config(m), seed=seed, mesh=mesh, rules=rules),
                            None)
     path = weights_path(m)
-    dtype = m.param_dtype
+    dtype = numerics(m)["param_dtype"]  # "auto" resolved for this platform
     overrides = {k: v for k, v in numerics(m).items() if k != "param_dtype"}
     if m.source == "hf":
         from jaxrl_llm.models.hf import load_pretrained
@@ -148,5 +158,24 @@ def source_tokenizer(model_config: Any) -> Any | None:
     return read_gguf(weights_path(model_config))[2]
 
 
-__all__ = ["LoadedModel", "decoder_config", "load_model", "numerics", "random_model",
-           "source_tokenizer", "weights_path"]
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str,
+                         model_from: str) -> None:
+    """A `ModelFileError` naming both files and sizes when `tokenizer` has more tokens than the
+    model's embedding table: a prompt id ≥ vocab_size would embed as NaN (`jnp.take` fills
+    out-of-range rows) and the model could never emit those tokens (a smaller tokenizer is
+    fine: padded vocabularies)."""
+    from jaxrl_llm.errors import ModelFileError
+
+    def file(where: str, name: str) -> str:  # a directory's own file, when it has one
+        return str(Path(where) / name) if (Path(where) / name).is_file() else where
+
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise ModelFileError(
+            f"tokenizer {file(tokenizer_from, 'tokenizer.json')} has {size} tokens but the "
+            f"model {file(model_from, 'config.json')} has vocab_size={vocab_size}: use the "
+            "tokenizer the model was trained with (data.tokenizer / --tokenizer)")
+
+
+__all__ = ["LoadedModel", "check_tokenizer_fits", "decoder_config", "load_model", "numerics",
+           "random_model", "source_tokenizer", "weights_path"]

@@ -26,6 +26,8 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
+from jaxrl_llm.errors import ModelFileError
+
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, whole).
 _CONTROL = 3
 _USER_DEFINED = 4
@@ -52,7 +54,7 @@ _REGEX_PRE_TYPES = {
 }
 
 
-class TokenizerMetadataError(ValueError):
+class TokenizerMetadataError(ModelFileError):
     """The GGUF tokenizer metadata is missing a field or describes an unsupported tokenizer."""
 
 

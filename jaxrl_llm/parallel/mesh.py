@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxrl_llm.config import ConfigError, MeshConfig
+from jaxrl_llm.errors import ConfigError
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 # Axes a batch's leading (row) dimension is split over: every data-parallel replica and every
@@ -23,7 +24,15 @@ MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 BATCH_AXES: tuple[str, str] = ("data", "fsdp")
 
 
-def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+class MeshSizes(Protocol):
+    """The three sizes this module reads (the `mesh:` config section has them): -1 = the rest."""
+
+    data: int
+    fsdp: int
+    tensor: int
+
+
+def resolve_mesh_shape(config: MeshSizes, num_devices: int) -> tuple[int, int, int]:
     """Sizes of ("data", "fsdp", "tensor"); at most one may be -1 and takes the rest.
 
     Raises `ConfigError` naming the `mesh.*` keys when the sizes do not multiply to
@@ -59,7 +68,7 @@ def _describe(sizes: dict[str, int]) -> str:
     return ", ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
 
 
-def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(config: MeshSizes, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `Mesh` with axes ("data", "fsdp", "tensor") over `devices` (default: all devices).
 
     Axes are `AxisType.Auto` (GSPMD propagation): jax 0.10's default Explicit axes make an

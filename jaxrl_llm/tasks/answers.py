@@ -11,6 +11,8 @@ import re
 from decimal import Decimal, InvalidOperation
 
 MAGIC = "The answer is"
+# The argument of a brace-less `\\boxed 5`: up to the next whitespace or `$`.
+_BARE_ARG = re.compile(r"[^\s$]+")
 # A number: optional sign, digits with optional thousands commas, optional decimals. Bounded
 # repetition keeps matching linear on adversarial input.
 _NUMBER = re.compile(r"[-−]?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -79,11 +81,9 @@ def last_boxed(text: str) -> str | None:
     for i in reversed(starts):
         if i < len(text) and text[i] == " ":
             # `\\boxed 5`: the argument runs to the next whitespace or `$`.
-            j = i + 1
-            while j < len(text) and not text[j].isspace() and text[j] != "$":
-                j += 1
-            if j > i + 1:
-                return text[i + 1 : j]
+            arg = _BARE_ARG.match(text, i + 1)
+            if arg is not None:
+                return arg.group(0)
         elif i < len(text) and text[i] == "{" and i in close_of:
             return text[i + 1 : close_of[i]]
     return None

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 RewardScheme = Literal["pm1", "01"]
+# A reward that could not be computed is flagged, never a silent 0: verifier status -> the
+# `reward_error` a result's info (and so its record's metadata) carries.
+REWARD_ERRORS = {"timeout": "timeout", "error": "verifier_error"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +35,12 @@ class RewardResult:
     invalid: bool  # no parsable answer (TOPR Fig. 3)
     answer: str | None  # extracted answer, None when invalid
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"timeout": True}
+
+
+def reward_error_metrics(errors: Sequence[str | None]) -> dict[str, float]:
+    """`reward/timeouts` and `reward/verifier_errors`: how many rewards could not be computed."""
+    return {"reward/timeouts": float(sum(e == "timeout" for e in errors)),
+            "reward/verifier_errors": float(sum(e == "verifier_error" for e in errors))}
 
 
 def binary_reward(correct: bool, scheme: RewardScheme) -> float:
@@ -71,5 +80,5 @@ class Task:
         return problem.solution
 
     def metrics(self) -> dict[str, float]:
-        """Counters accumulated while scoring (verifier timeouts, failures)."""
-        return {}
+        """Counters accumulated while scoring (verifier timeouts, failures); zero here."""
+        return reward_error_metrics([])

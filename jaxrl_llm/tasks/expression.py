@@ -42,9 +42,10 @@ def _tokenize(text: str) -> list[str]:
         elif c in _OPS:
             tokens.append(c)
             i += 1
-        elif c.isdigit():
+        elif c.isdecimal():
+            # isdecimal, not isdigit: '²' is a digit that int() rejects; fullwidth '１' is fine.
             j = i
-            while j < len(text) and text[j].isdigit():
+            while j < len(text) and text[j].isdecimal():
                 j += 1
             tokens.append(text[i:j])
             i = j
@@ -107,7 +108,7 @@ class _Parser:
                 raise ExpressionError("missing ')'")
             self.take()
             return value
-        if token.isdigit():
+        if token.isdecimal():
             self.take()
             self.numbers.append(int(token))
             return Fraction(int(token))

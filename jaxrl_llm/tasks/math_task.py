@@ -2,7 +2,9 @@
 
 Equivalence with the gold answer is decided by math-verify in worker processes under a hard
 per-call timeout (`tasks.math_verifier`); timeouts and verifier errors score as incorrect but
-are counted in `metrics()` and reported per completion in `RewardResult.info["verifier"]`.
+are never a silent 0: each is flagged on its completion (`info["reward_error"]` = "timeout" or
+"verifier_error", which the record's metadata keeps) and counted in `metrics()`
+(`reward/timeouts`, `reward/verifier_errors`).
 Rows: `{"problem", "solution"}` (MATH format; gold = last box of the solution) or
 `{"problem", "answer"}`. The prompt is FPA's (Fig. 7).
 """
@@ -13,7 +15,15 @@ from collections.abc import Sequence
 from importlib import resources
 
 from jaxrl_llm.tasks.answers import last_boxed
-from jaxrl_llm.tasks.base import Problem, RewardResult, RewardScheme, Task, binary_reward
+from jaxrl_llm.tasks.base import (
+    REWARD_ERRORS,
+    Problem,
+    RewardResult,
+    RewardScheme,
+    Task,
+    binary_reward,
+    reward_error_metrics,
+)
 from jaxrl_llm.tasks.loading import load_rows, require
 from jaxrl_llm.tasks.math_verifier import MathVerifier
 
@@ -74,9 +84,14 @@ class MathTask(Task):
                 results.append(RewardResult(binary_reward(False, self.reward_scheme), False, True, None))
                 continue
             outcome = outcomes[i]
+            info = {"verifier": outcome.status, "detail": outcome.detail}
+            if outcome.status != "ok":
+                info["reward_error"] = REWARD_ERRORS[outcome.status]
             results.append(RewardResult(binary_reward(outcome.correct, self.reward_scheme), outcome.correct,
-                                        False, answer, {"verifier": outcome.status, "detail": outcome.detail}))
+                                        False, answer, info))
         return results
 
     def metrics(self) -> dict[str, float]:
-        return self.verifier.metrics()
+        counts = self.verifier.counts
+        return {**self.verifier.metrics(),
+                **reward_error_metrics(["timeout"] * counts["timeout"] + ["verifier_error"] * counts["error"])}

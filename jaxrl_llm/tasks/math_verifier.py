@@ -3,7 +3,8 @@
 math-verify's own timeout uses `signal.alarm`, which only works on the main thread; called
 from a worker thread it fails and — caught as "not equal" — scored every MATH answer 0
 elsewhere. Here each check runs in a spawned worker process; the parent waits at most
-`timeout_s` and kills and replaces a worker that overruns. Outcomes are "ok", "timeout" or
+`timeout_s` and kills a worker that overruns (its replacement starts in the background, so
+the call returns at the deadline, not after a restart). Outcomes are "ok", "timeout" or
 "error", and the verifier counts each kind (`metrics()`), so a failure is never a silent 0.
 """
 
@@ -69,24 +70,38 @@ def quick_equal(gold: str, pred: str) -> bool:
 
 
 class _Worker:
+    """One verifier process; `ready` once it has imported math-verify."""
+
     def __init__(self, ctx: Any) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.proc.start()
         child.close()
+        self.ready = False
+        self.startup_deadline = time.monotonic() + STARTUP_TIMEOUT_S
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until the worker has imported math-verify (start-up is not a job's time)."""
+    def take_ready(self) -> None:
+        """Consume the "ready" message (call when `conn` is readable)."""
         try:
-            ok = self.conn.poll(timeout_s) and self.conn.recv() == "ready"
+            ok = self.conn.recv() == "ready"
         except EOFError:  # e.g. spawn cannot re-import a __main__ read from stdin
             ok = False
         if not ok:
             self.kill()
             raise RuntimeError(
-                f"math verifier worker process did not start within {timeout_s}s (exit code "
-                f"{self.proc.exitcode}); run from a file or module, not stdin"
+                f"math verifier worker process failed to start (exit code {self.proc.exitcode}); "
+                "run from a file or module, not stdin"
             )
+        self.ready = True
+
+    def wait_ready(self) -> None:
+        """Block until the worker has imported math-verify (start-up is not a job's time)."""
+        if self.ready:
+            return
+        if not self.conn.poll(max(0.0, self.startup_deadline - time.monotonic())):
+            self.kill()
+            raise RuntimeError(f"math verifier worker process did not start within {STARTUP_TIMEOUT_S}s")
+        self.take_ready()
 
     def kill(self) -> None:
         self.proc.kill()
@@ -107,15 +122,17 @@ class MathVerifier:
         atexit.register(self.close)
 
     def _ensure_workers(self) -> None:
-        new = [_Worker(self._ctx) for _ in range(self.num_workers - len(self._workers))]
-        for worker in new:  # start all, then wait: the imports run in parallel
-            worker.wait_ready(STARTUP_TIMEOUT_S)
-        self._workers.extend(new)
+        """Start missing workers; block on start-up only while no worker is ready at all."""
+        self._workers += [_Worker(self._ctx) for _ in range(self.num_workers - len(self._workers))]
+        if not any(w.ready for w in self._workers):
+            for worker in self._workers:  # all started first: the imports run in parallel
+                worker.wait_ready()
 
-    def _start_worker(self) -> _Worker:
-        worker = _Worker(self._ctx)
-        worker.wait_ready(STARTUP_TIMEOUT_S)
-        return worker
+    def wait_ready(self) -> None:
+        """Start every worker and wait until all have imported math-verify (e.g. to time calls)."""
+        self._ensure_workers()
+        for worker in self._workers:
+            worker.wait_ready()
 
     def verify(self, gold: str, pred: str) -> VerifyOutcome:
         return self.verify_many([(gold, pred)])[0]
@@ -144,13 +161,21 @@ class MathVerifier:
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (job index, deadline)
         while queue or busy:
             for slot, worker in enumerate(self._workers):
-                if slot not in busy and queue:
+                if slot not in busy and queue and worker.ready:
                     job = queue.pop()
                     worker.conn.send(pairs[job])
                     busy[slot] = (job, time.monotonic() + self.timeout_s)
-            next_deadline = min(d for _, d in busy.values())
-            ready = wait([self._workers[s].conn for s in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+            # A replacement worker still starting up is waited on only while jobs are queued.
+            starting = [w for w in self._workers if not w.ready] if queue else []
+            deadlines = [d for _, d in busy.values()] + [w.startup_deadline for w in starting]
+            conns = [self._workers[s].conn for s in busy] + [w.conn for w in starting]
+            ready = wait(conns, timeout=max(0.0, min(deadlines) - time.monotonic()))
             now = time.monotonic()
+            for worker in starting:
+                if worker.conn in ready:
+                    worker.take_ready()
+                elif now >= worker.startup_deadline:
+                    worker.wait_ready()  # raises: the replacement never came up
             for slot in list(busy):
                 job, deadline = busy[slot]
                 worker = self._workers[slot]
@@ -160,13 +185,15 @@ class MathVerifier:
                     except EOFError:  # the worker died (e.g. out of memory)
                         status, correct, detail = "error", False, "verifier process died"
                         worker.kill()
-                        self._workers[slot] = self._start_worker()
+                        self._workers[slot] = _Worker(self._ctx)
                     results[job] = VerifyOutcome(bool(correct), status, detail)
                     self.counts[status] += 1
                     del busy[slot]
                 elif now >= deadline:
-                    worker.kill()  # the only reliable way to stop a runaway sympy call
-                    self._workers[slot] = self._start_worker()
+                    # Killing is the only reliable way to stop a runaway sympy call. The
+                    # replacement starts in the background: this call returns without waiting.
+                    worker.kill()
+                    self._workers[slot] = _Worker(self._ctx)
                     results[job] = VerifyOutcome(False, "timeout", f"over {self.timeout_s}s")
                     self.counts["timeout"] += 1
                     del busy[slot]

@@ -12,7 +12,8 @@ import re
 
 from jaxrl_llm.tasks.base import Problem, RewardResult, RewardScheme, Task, binary_reward
 
-_VERDICT = re.compile(r"verdict is:?\s*\**\s*(correct|incorrect)\b", re.IGNORECASE)
+# `\s*(?:\*+\s*)?`, not `\s*\**\s*`: two adjacent `\s*` made a run of spaces quadratic.
+_VERDICT = re.compile(r"verdict is:?\s*(?:\*+\s*)?(correct|incorrect)\b", re.IGNORECASE)
 REQUEST = (
     "Check the proposed solution step by step. Finish with 'The verdict is correct' or "
     "'The verdict is incorrect'."

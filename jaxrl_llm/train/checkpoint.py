@@ -256,6 +256,8 @@ def restore_model(path: PathLike, *, step: int | None = None, mesh: Any | None =
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        state = state.replace(params=multihost_utils.process_allgather(state.params, tiled=True))
+        gather = lambda tree: multihost_utils.process_allgather(tree, tiled=True)
+        # model_state: a LoRA run's frozen base weights, sharded like the params.
+        state = state.replace(params=gather(state.params), model_state=gather(state.model_state))
     return RestoredModel(model=state.model(), config=config, step=restored.step,
                          meta=restored.meta)

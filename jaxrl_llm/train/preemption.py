@@ -26,6 +26,12 @@ import threading
 from typing import Any
 
 LOCAL, JAX_SYNC, ALLGATHER = "local", "jax_sync_point", "allgather"
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect of a job stopped by SIGTERM
+
+
+class Preempted(Exception):
+    """A command's training stage stopped on SIGTERM after checkpointing (`iterate`,
+    `quickstart`): the command exits with `EXIT_PREEMPTED`; re-running it resumes."""
 
 
 def sync_mode() -> str:

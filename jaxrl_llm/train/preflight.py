@@ -117,3 +117,48 @@ def first_step_metrics(scalars: dict[str, float]) -> dict[str, float]:
     each must be ≈ 0 (far from 0: the records' μ or reference is not this model's)."""
     return {f"step1/{k}": v for k, v in scalars.items()
             if k.startswith("loss/") and ("log_ratio" in k or "logratio" in k)}
+
+
+def model_vocab_size(config: ExperimentConfig) -> int | None:
+    """The vocabulary the trainer's model will have, when known without loading it."""
+    m = config.model
+    if m.source == "random":
+        return m.vocab_size
+    if m.source == "hf" and m.path and (epath.Path(m.path) / "config.json").exists():
+        import json
+
+        return json.loads((epath.Path(m.path) / "config.json").read_text()).get("vocab_size")
+    return None
+
+
+def check_all_records(directory: str | epath.PathLike, vocab_size: int | None,
+                      chunk: int = 1024, *, process_index: int = 0, process_count: int = 1) -> None:
+    """Decode and validate every record once before step 1: a NaN, a positive log-prob, a
+    length mismatch or an out-of-vocabulary id anywhere in the set is a `RecordError` naming
+    the shard and index before anything trains (the loader only reads a record when its
+    batch comes up, possibly hours in). On several hosts each validates every
+    `process_count`-th record, so the pass costs 1/P of the data per host."""
+    from jaxrl_llm.data.records import validate_record
+    from jaxrl_llm.data.shards import RecordSource
+
+    source = RecordSource(directory)
+    mine = range(process_index, len(source), process_count)
+    for start in range(0, len(mine), chunk):
+        indices = list(mine[start:start + chunk])
+        for i, record in zip(indices, source.__getitems__(indices)):  # validated vs the manifest
+            if vocab_size is not None:
+                validate_record(record, where=f"{source.where(i)} (model vocabulary)",
+                                vocab_size=vocab_size)
+
+
+def check_batch_divides(config: ExperimentConfig, mesh: object) -> None:
+    """`train.batch_size` (and `micro_batch_size`) must split evenly over the mesh's data×fsdp
+    devices: refused here, naming the keys, not at the first step's device transfer."""
+    shape = dict(getattr(mesh, "shape", {}))
+    shards = shape.get("data", 1) * shape.get("fsdp", 1)
+    for key in ("batch_size", "micro_batch_size"):
+        value = getattr(config.train, key)
+        if value is not None and value % shards:
+            raise ConfigError(f"train.{key}={value} is not a multiple of the mesh's data×fsdp = "
+                              f"{shards} devices; choose a multiple of {shards}")
+

@@ -111,22 +111,24 @@ class Scorer:
     scored is the initial policy, i.e. the reference π_ref of the KL/preference losses —
     both from the same forward pass (the same hidden states, two log-softmaxes; one when
     the temperature is 1). The parameters live on `mesh` with the trainer's sharding rules
-    (`self.params`); the non-trainable variables are replicated, as in
-    `train.state.create_train_state`. Each call takes this process's rows `[local_rows, T]`
-    of a global batch of `batch_size` rows and returns their float32 log-probs; all
-    processes must call it together with the same T.
+    (`self.params`), the other variables too (a LoRA model's frozen base), as in
+    `train.state.create_train_state`; a LoRA model's `ref` is its base (adapters off). Each
+    call takes this process's rows `[local_rows, T]` of a global batch of `batch_size` rows
+    and returns their float32 log-probs; all processes must call it together with the same T.
     """
 
     def __init__(self, model: Any, *, temperature: float, chunk_size: int, mesh: Mesh) -> None:
         from jaxrl_llm.losses.logprobs import token_logprobs
-        from jaxrl_llm.parallel.rules import replicated, state_shardings
+        from jaxrl_llm.parallel.rules import state_shardings
         from jaxrl_llm.train.state import split_model
         from jaxrl_llm.train.step import forward
 
         graphdef, params, rest = split_model(model)
         self.mesh = mesh
         self.params = jax.tree.map(jax.device_put, params, state_shardings(params, mesh))
-        self.model_state = jax.tree.map(jax.device_put, rest, replicated(rest, mesh))
+        # Sharded like parameters: with LoRA the frozen base weights are in `rest`.
+        self.model_state = jax.tree.map(jax.device_put, rest, state_shardings(rest, mesh))
+        lora = getattr(getattr(model, "config", None), "lora", None) is not None
         self.rows = NamedSharding(mesh, P(BATCH_AXES))
 
         def score(params, model_state, inputs, targets, positions, segment_ids):
@@ -140,6 +142,12 @@ class Scorer:
                                       temperature=t, softcap=softcap)
 
             mu = logprobs(temperature)
+            if lora:  # π_ref of a LoRA policy is its base: the adapters off (B = 0)
+                ref_h, ref_u, _ = forward(graphdef, jax.tree.map(jax.numpy.zeros_like, params),
+                                          model_state, inputs, positions, segment_ids, mesh)
+                return mu, token_logprobs(ref_h, ref_u.astype(ref_h.dtype), targets,
+                                          chunk_size=chunk_size, temperature=REF_TEMPERATURE,
+                                          softcap=softcap)
             return mu, (mu if temperature == REF_TEMPERATURE else logprobs(REF_TEMPERATURE))
 
         self._score = jax.jit(score, out_shardings=(self.rows, self.rows))

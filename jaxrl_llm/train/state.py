@@ -9,6 +9,12 @@ float32 master weights and the step casts them to the model's own parameter dtyp
 
 FPA (and the preference losses with `train.ref_logprobs: model`) keep a frozen copy of the
 initial policy, `ref_params`, in the model's own dtype, sharded exactly like `params`.
+
+With `model.lora` (models/lora.py) only the adapters (`nnx.LoRAParam`) are `params`: they
+alone get gradients and optimizer state. The frozen base weights sit in `model_state`,
+sharded by the same rules as trainable parameters. The reference policy is the same model
+with its adapters off: `ref_params` is a zero adapter tree (B = 0 makes every update
+vanish exactly), so the base weights are never copied.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl_llm.config import ExperimentConfig
+from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.losses.registry import loss_spec
-from jaxrl_llm.parallel.rules import optimizer_shardings, replicated, state_shardings
+from jaxrl_llm.parallel.rules import optimizer_shardings, state_shardings
 from jaxrl_llm.train.optim import make_optimizer
 
 
@@ -47,6 +53,35 @@ class TrainState:
     def model(self) -> nnx.Module:
         """The policy as an NNX module (for sampling, export and tests; not in the step)."""
         return nnx.merge(self.graphdef, self.model_params(), self.model_state)
+
+
+def lora_spec(config: ExperimentConfig) -> Any:
+    """The `models.lora.LoraSpec` of `model.lora`, or None (full fine-tuning)."""
+    lora = config.model.lora
+    if lora is None:
+        return None
+    from jaxrl_llm.models.lora import LoraSpec
+
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets))
+
+
+def _adapters_of(model: nnx.Module) -> Any:
+    """The model's `LoraSpec`, or None (also for models without a `DecoderConfig`)."""
+    return getattr(getattr(model, "config", None), "lora", None)
+
+
+def with_adapters(config: ExperimentConfig, model: nnx.Module) -> nnx.Module:
+    """`model` with the adapters `model.lora` asks for: attached in place (fresh, B = 0) to a
+    model without any; a model that has them already (a previous iteration's) must match."""
+    spec = lora_spec(config)
+    have = _adapters_of(model)
+    if have == spec:
+        return model
+    if have is None:
+        from jaxrl_llm.models.lora import add_lora
+
+        return add_lora(model, spec, seed=config.seed)
+    raise ConfigError(f"model.lora={config.model.lora} but the given model has adapters {have}")
 
 
 def needs_reference_model(config: ExperimentConfig) -> bool:
@@ -88,12 +123,27 @@ def build_model(config: ExperimentConfig, *, weights: bool = True,
     `nnx.eval_shape` / `plan`)."""
     from jaxrl_llm.models.loading import load_model
 
-    return load_model(config.model, seed=config.seed, mesh=mesh, weights=weights).model
+    model = load_model(config.model, seed=config.seed, mesh=mesh, weights=weights).model
+    return with_adapters(config, model)
 
 
 def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    """(graphdef, trainable params, everything else): the adapters alone are trainable when
+    the model has them, the base weights then go with the rest (frozen)."""
+    trainable = nnx.LoRAParam if _adapters_of(model) is not None else nnx.Param
+    graphdef, params, rest = nnx.split(model, trainable, ...)
     return graphdef, params, rest
+
+
+def reference_params(config: ExperimentConfig, params: nnx.State) -> nnx.State | None:
+    """The reference policy's `params` (None when the loss needs none): with LoRA the
+    adapters switched off (zeros), else a copy of the initial policy (`params` given in the
+    model's own dtypes)."""
+    if not needs_reference_model(config):
+        return None
+    if config.model.lora is not None:
+        return jax.tree.map(jnp.zeros_like, params)
+    return jax.tree.map(jnp.copy, params)
 
 
 def _put(tree: Any, shardings: Any) -> Any:
@@ -107,7 +157,7 @@ def state_shardings_for(state: TrainState, mesh: Mesh) -> TrainState:
         step=NamedSharding(mesh, jax.sharding.PartitionSpec()),
         params=p_shard,
         opt_state=optimizer_shardings(state.opt_state, state.params, p_shard),
-        model_state=replicated(state.model_state, mesh),
+        model_state=state_shardings(state.model_state, mesh),  # frozen LoRA base: sharded
         ref_params=None if state.ref_params is None else state_shardings(state.ref_params, mesh),
         rng=NamedSharding(mesh, jax.sharding.PartitionSpec()),
     )
@@ -119,7 +169,7 @@ def _unsharded_state(
     graphdef, params, rest = split_model(model)
     dtypes = tuple(jnp.dtype(x.dtype).name for x in jax.tree.leaves(params))
     master = cast_to_dtypes(params, master_dtypes(params, config.optim.master_weights_fp32))
-    ref = params if needs_reference_model(config) else None
+    ref = reference_params(config, params)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=master,
@@ -145,8 +195,7 @@ def create_train_state(
     initial policy in its own dtype.
     """
     tx, _ = make_optimizer(config.optim, config.train.steps)
-    if model is None:
-        model = build_model(config, mesh=mesh)
+    model = build_model(config, mesh=mesh) if model is None else with_adapters(config, model)
     graphdef, params, rest = split_model(model)
     dtypes = tuple(jnp.dtype(x.dtype).name for x in jax.tree.leaves(params))
     masters = master_dtypes(params, config.optim.master_weights_fp32)
@@ -155,13 +204,14 @@ def create_train_state(
     master = jax.jit(lambda p: cast_to_dtypes(p, masters), out_shardings=p_shard)(params)
     opt_shard = optimizer_shardings(jax.eval_shape(tx.init, master), master, p_shard)
     scalar = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ref = reference_params(config, params)
     return TrainState(
         step=jax.device_put(jnp.zeros((), jnp.int32), scalar),
         params=master,
         opt_state=jax.jit(tx.init, out_shardings=opt_shard)(master),
-        model_state=_put(rest, replicated(rest, mesh)),
+        model_state=_put(rest, state_shardings(rest, mesh)),
         # A real copy: the step donates the state, and one buffer cannot be donated twice.
-        ref_params=jax.tree.map(jnp.copy, params) if needs_reference_model(config) else None,
+        ref_params=None if ref is None else _put(ref, p_shard),
         rng=jax.device_put(jax.random.PRNGKey(config.seed), scalar),
         graphdef=graphdef,
         param_dtypes=dtypes,

@@ -14,8 +14,12 @@ One step:
    the params are cast to the model's dtypes first (bf16 compute), so gradients are fp32.
 3. FPA (and `train.ref_logprobs: model`) run the frozen reference model under
    `stop_gradient`, with its parameters sharded like the policy's.
-4. Non-finite loss or gradient norm: the update is skipped (params, optimizer state and step
-   unchanged) and `metrics["update_skipped"] = 1`; we never train on NaN.
+4. Non-finite batch field, loss or gradient: the update is skipped (params, optimizer state and step
+   unchanged bit for bit: a `jnp.where` selection of the old arrays, not a zero update, which
+   would turn −0.0 into +0.0; optax's `apply_if_finite` also changes the optimizer state's
+   structure and accepts NaN updates after a limit) and `metrics["update_skipped"] = 1`; we
+   never train on NaN. `metrics["nonfinite_first"]` names the first non-finite quantity
+   (`train/nonfinite.py`), which the trainer reports when it gives up.
 5. `train.grad_norm_by_sign` (FPA arXiv:2509.19893 Fig. 2's positive/negative split): the same
    micro-batch scan also takes the gradients of the loss restricted to positive and to
    negative records (`record_mask` zeroed on the others, see `positive_records`), both
@@ -40,9 +44,11 @@ from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch, token_record_mask
 from jaxrl_llm.losses.registry import LOSS_SPECS, loss_spec
 from jaxrl_llm.losses.types import LossOutput
+from jaxrl_llm.models.attention import attention_mesh
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree
 from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
+from jaxrl_llm.train.nonfinite import NONFINITE_KEY, first_nonfinite
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.state import TrainState, cast_to_dtypes, needs_reference_model
 
@@ -61,7 +67,8 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
     v5e chip for Llama-3-8B at 1 row per chip, vs MiB with the constraint).
     """
     model = nnx.merge(graphdef, params, model_state)
-    hidden = model(inputs, positions=positions, segment_ids=segment_ids)
+    with attention_mesh(mesh):  # fused attention kernels run per shard of this mesh
+        hidden = model(inputs, positions=positions, segment_ids=segment_ids)
     softcap = getattr(model, "final_logit_softcap", None)
     unembed = model.unembedding()
     if mesh is not None:
@@ -248,7 +255,9 @@ def train_step_fn(
         grads = normalise(grads)
         loss = total * inv_weight
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # Any non-finite batch field, loss, gradient leaf or gradient norm skips the update.
+        first_bad = first_nonfinite(batch, loss, grads, grad_norm)
+        finite = first_bad < 0
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
 
@@ -268,6 +277,7 @@ def train_step_fn(
             "param_norm": optax.tree.norm(new_state.params),
             "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
             "update_skipped": 1.0 - finite.astype(jnp.float32),
+            NONFINITE_KEY: first_bad,
             "completion_tokens": jnp.sum(batch.loss_mask * token_record_mask(batch)),
             **{f"loss/{k}": jnp.asarray(v, jnp.float32) for k, v in kernel_metrics.items()},
         }

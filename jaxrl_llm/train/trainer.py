@@ -6,6 +6,8 @@
 
 - Metrics: every step's scalars go into a `MetricWindow`; every `train.log_every` steps one
   row (means, sums for counts, plus throughput) goes to `metrics.jsonl` and TensorBoard.
+  Step N's metrics are read after step N+1 is dispatched (`fetch_metrics`), so the host
+  never waits on the device inside the loop; checkpoint metadata is built only on saves.
 - Checkpoints (`train/checkpoint.py`): every `train.checkpoint_every` steps (async) and at
   the end; the loop step, the grain iterator position and the resolved config are saved
   with the state, so a resumed run consumes the same records and ends with the same
@@ -16,12 +18,15 @@
   `stopped=True` (the `train` command then exits with 143). With several processes the stop
   step is agreed through a sync point (`train/preemption.py`), so all hosts save together.
 - Non-finite steps are skipped by the step itself; `train.max_nonfinite_steps` consecutive
-  ones stop the run with an error (never train on NaN).
+  ones stop the run with an error naming the step and the first non-finite quantity (never
+  train on NaN); rows carry `train/nonfinite_skips` and `train/consecutive_nonfinite`
+  (`train/nonfinite.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,12 +35,11 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ExperimentConfig, dump_config
 from jaxrl_llm.paths import PathLike, as_path
-from jaxrl_llm.train.preemption import StopSync
+from jaxrl_llm.train.preemption import EXIT_PREEMPTED, StopSync
 from jaxrl_llm.train.state_items import STATE_FIELDS, state_items, with_items  # noqa: F401 (re-exported)
-
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect of a job stopped by SIGTERM
 
 # (step, state) -> metrics to log under "eval/" (or None)
 EvalHook = Callable[[int, Any], Mapping[str, float] | None]
@@ -86,7 +90,12 @@ class Trainer:
         from jaxrl_llm.losses.registry import loss_spec
         from jaxrl_llm.parallel.mesh import make_mesh
         from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
-        from jaxrl_llm.train.preflight import check_records
+        from jaxrl_llm.train.preflight import (
+            check_all_records,
+            check_batch_divides,
+            check_records,
+            model_vocab_size,
+        )
 
         self.config = config
         # `records` wins; else data.curated, the scored records, data.records (data/stages.py).
@@ -94,9 +103,16 @@ class Trainer:
         # Refuse records this loss cannot train on (μ, reference log-probs, μ's temperature).
         check_mu(config, self.records)
         self.config = config = check_records(config, self.records)
+        check_all_records(self.records, model_vocab_size(config),  # every record, before step 1
+                          process_index=jax.process_index(), process_count=jax.process_count())
         self.run_dir = as_path(run_dir if run_dir is not None else config.run_dir)
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
+        check_batch_divides(config, self.mesh)
         self.eval_hook, self.on_batch, self.on_step = eval_hook, on_batch, on_step
+        if config.train.record_trace:  # data-order audit (train/record_trace.py)
+            from jaxrl_llm.train.record_trace import RecordTrace
+
+            self.on_batch = RecordTrace(self.run_dir, then=on_batch)
         self.progress = progress and jax.process_index() == 0
         self.tensorboard = tensorboard
         self._model = model
@@ -164,23 +180,56 @@ class Trainer:
         from jaxrl_llm.losses.types import finite_or_raise
         from jaxrl_llm.parallel.distributed import global_batch
         from jaxrl_llm.train.metrics_log import MetricsLogger
+        from jaxrl_llm.train.nonfinite import NonfiniteGuard, nonfinite_quantities
         from jaxrl_llm.train.window import MetricWindow
 
         cfg = self.config.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
-            (self.run_dir / "config.yaml").write_text(dump_config(self.config))
+            atomic_write_text(self.run_dir / "config.yaml", dump_config(self.config))
         state, step = self._initial_state()
         train_step = cached_train_step(self.config, self.mesh, state)
         logger = MetricsLogger(self.run_dir, resume_step=step if step else None,
-                               tensorboard=self.tensorboard, enabled=jax.process_index() == 0)
+                               tensorboard=self.tensorboard, enabled=jax.process_index() == 0,
+                               wandb=self.config.metrics, run_name=self.config.name,
+                               run_config=self._meta(step, state)["config"])
         _install_sigterm(self._stop)
         window = MetricWindow()
         bar = tqdm(total=cfg.steps, initial=step, disable=not self.progress, desc="train",
                    unit="step", dynamic_ncols=True)
         last_row: dict[str, Any] = {}
-        nonfinite = 0
+        guard = NonfiniteGuard(nonfinite_quantities(state.params), cfg.max_nonfinite_steps)
         tokens, steps_in, t_window = 0, 0, time.perf_counter()
+        pending: tuple | None = None  # (step, device metrics, host metrics, eval metrics)
+
+        def consume(at: int, metrics: Any, data: dict[str, float],
+                    extra: Mapping[str, float] | None) -> dict[str, Any] | None:
+            """Fold step `at`'s metrics into the window; log a row when one is due."""
+            nonlocal tokens, steps_in, t_window
+            scalars = {k: float(v) for k, v in fetch_metrics(metrics).items()
+                       if self.uses_mu or not k.startswith(RATIO_METRICS)}
+            scalars.update(data)
+            guard.observe(at, scalars)  # raises after max_nonfinite_steps skips in a row
+            if at == 1:  # the first row shows step 1's log-ratios (≈ 0: π = μ = π_ref)
+                from jaxrl_llm.train.preflight import first_step_metrics
+
+                scalars.update(first_step_metrics(scalars))
+            window.add(scalars)
+            bar.update(1)
+            bar.set_postfix(loss=f"{scalars['loss']:.4g}", refresh=False)
+            if extra is not None:
+                window.add({f"eval/{k}": v for k, v in extra.items()})
+            if at % cfg.log_every and at != cfg.steps:
+                return None
+            elapsed = max(time.perf_counter() - t_window, 1e-9)
+            row = {**window.flush(), **guard.metrics()}
+            row["throughput/tokens_per_s"] = tokens / elapsed
+            row["throughput/steps_per_s"] = steps_in / elapsed
+            bar.set_postfix(loss=f"{row['loss']:.4g}",
+                            tok_s=f"{row['throughput/tokens_per_s']:.0f}")
+            tokens, steps_in, t_window = 0, 0, time.perf_counter()
+            return logger.log(at, row)
+
         try:
             stopped = False
             while step < cfg.steps and not stopped:
@@ -197,43 +246,27 @@ class Trainer:
                 state, metrics = train_step(state, global_batch(host, self.mesh))
                 step += 1
                 steps_in += 1
-                scalars = {k: float(v) for k, v in jax.device_get(metrics).items()
-                           if self.uses_mu or not k.startswith(RATIO_METRICS)}
-                scalars.update(batch_data_metrics(self.loader, host))
-                nonfinite = nonfinite + 1 if scalars.get("update_skipped", 0.0) else 0
-                if nonfinite >= cfg.max_nonfinite_steps:
-                    raise FloatingPointError(
-                        f"step {step}: {nonfinite} consecutive steps had a non-finite loss or "
-                        f"gradient (loss={scalars.get('loss')}, grad_norm="
-                        f"{scalars.get('grad_norm')}); stopping (train.max_nonfinite_steps)"
-                    )
-                if step == 1:  # the first row shows step 1's log-ratios (≈ 0: π = μ = π_ref)
-                    from jaxrl_llm.train.preflight import first_step_metrics
-
-                    scalars.update(first_step_metrics(scalars))
-                window.add(scalars)
-                bar.update(1)
-                bar.set_postfix(loss=f"{scalars['loss']:.4g}", refresh=False)
+                extra = None
                 if cfg.eval_every and self.eval_hook and step % cfg.eval_every == 0:
                     extra = self.eval_hook(step, state) or {}
-                    window.add({f"eval/{k}": v for k, v in extra.items()})
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    elapsed = max(time.perf_counter() - t_window, 1e-9)
-                    row = window.flush()
-                    row["throughput/tokens_per_s"] = tokens / elapsed
-                    row["throughput/steps_per_s"] = steps_in / elapsed
-                    last_row = logger.log(step, row)
-                    bar.set_postfix(loss=f"{row['loss']:.4g}",
-                                    tok_s=f"{row['throughput/tokens_per_s']:.0f}")
-                    tokens, steps_in, t_window = 0, 0, time.perf_counter()
-                self.checkpointer.save(step, state_items(state), data_iterator=self.loader,
-                                       meta=self._meta(step, state))
+                # Step N's metrics are read once step N+1 is queued behind it, so the host never
+                # waits for the device inside the loop: logging, the non-finite stop and the
+                # bar run one step late (the stop raises at most one step later).
+                if pending is not None:
+                    last_row = consume(*pending) or last_row
+                pending = (step, metrics, batch_data_metrics(self.loader, host), extra)
+                # Checkpoint metadata (a device read of the optimizer step) only when due.
+                if self.checkpointer.should_save(step):
+                    self.checkpointer.save(step, state_items(state), data_iterator=self.loader,
+                                           meta=self._meta(step, state))
                 if self.on_step is not None:
                     self.on_step(step, self)
                 # Every process asks at every step; all get the same answer at the same step.
                 stopped = self._stop.should_stop(step) and step < cfg.steps
+            if pending is not None:
+                last_row = consume(*pending) or last_row
             if len(window):
-                last_row = logger.log(step, window.flush())
+                last_row = logger.log(step, {**window.flush(), **guard.metrics()})
             self.checkpointer.save(step, state_items(state), data_iterator=self.loader,
                                    meta=self._meta(step, state), force=True)
             self.checkpointer.wait()
@@ -255,7 +288,7 @@ class Trainer:
 _STEP_IRRELEVANT: dict[str, Any] = {
     "name": True, "run_dir": True, "data": True, "eval": True, "plan": True,
     "train": {"log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-              "max_nonfinite_steps"},
+              "max_nonfinite_steps", "record_trace"},
 }
 _STEP_CACHE: dict[Any, Any] = {}
 _STEP_CACHE_SIZE = 4
@@ -279,6 +312,14 @@ def cached_train_step(config: ExperimentConfig, mesh: Any, state: Any) -> Any:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
         _STEP_CACHE[key] = make_train_step(config, mesh, state)
     return _STEP_CACHE[key]
+
+
+def fetch_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The train step's metrics on the host (the loop's only device read per step; it reads
+    step N's after step N+1 is dispatched)."""
+    import jax
+
+    return jax.device_get(dict(metrics))
 
 
 def continue_state(template: Any, checkpoints: PathLike, keep_ref: bool) -> Any:
@@ -346,11 +387,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import load_config
+    from jaxrl_llm.train.nonfinite import NonFiniteError
 
     config = load_config(args.config, args.overrides)
     trainer = Trainer(config, records=args.records, progress=not args.no_progress)
     try:
         result = trainer.run()
+    except NonFiniteError as err:  # a diagnosis, not a crash: no traceback
+        print(f"jaxrl-llm train: {err}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     if result.stopped:

@@ -1,0 +1,215 @@
+"""Train-step throughput on one GPU: jaxrl_llm (bf16 compute, fp32 master weights, cuDNN
+attention) vs transformers' PyTorch model (bf16, `sdpa` attention) on the same GPU.
+
+Shapes: SmolLM2-135M, Qwen2.5-0.5B and Qwen2.5-1.5B (random weights), batches 8×1024 and
+8×4096, TOPR loss (TOPR arXiv:2503.14286 eq. 11, taper form) with AdamW and global-norm
+clipping. Reported per case: median step time over `--steps` timed steps after a warm-up,
+tokens/s, the JAX / PyTorch ratio, and MFU = (6·N·tokens + causal attention FLOPs) / step time
+/ the chip's dense bf16 peak (`PEAKS`, by device name). Each framework runs in its own child
+process (memory). Writes benchmarks/results/gpu_train_step_<device>.json.
+
+    python benchmarks/gpu_train_step.py [--shapes smollm2_135m qwen25_05b qwen25_15b]
+        [--batches 8x1024 8x4096] [--steps 5] [--remat none|full|dots]
+
+`--smoke` runs a tiny shape on whatever device is present (CPU included) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {
+    "smollm2_135m": dict(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_embeddings=True),
+    "qwen25_05b": dict(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True),
+    "qwen25_15b": dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True),
+    "tiny": dict(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                 rms_norm_eps=1e-5, tie_embeddings=True),
+}
+# Dense bf16 peak FLOP/s by device-name substring (NVIDIA datasheets, SXM parts).
+PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
+
+
+def numpy_batch(b: int, t: int, vocab: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
+    mask = np.zeros((b, t), np.float32)
+    mask[:, t // 8:] = 1.0  # the first eighth is the prompt
+    mu = np.where(mask > 0, -10.0 + 0.1 * rng.normal(size=(b, t)), 0.0).astype(np.float32)
+    rewards = np.where(np.arange(b) % 3 == 0, -1.0, 1.0).astype(np.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask, "mu": mu,
+            "rewards": rewards}
+
+
+def attention_flops(shape: dict, b: int, t: int) -> float:
+    """Causal QKᵀ and PV, forward + backward: 3 · 2 matmuls · 2·Hq·D·(t/2) per token."""
+    return 3 * 4 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"] * (t / 2) * b * t
+
+
+def run_jax(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
+    import jax
+
+    from jaxrl_llm.config import config_from_dict
+    from jaxrl_llm.data.batch import Batch
+    from jaxrl_llm.models.attention import resolve
+    from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.train.state import count_params, create_train_state
+    from jaxrl_llm.train.step import make_train_step
+
+    config = config_from_dict({
+        "model": {**shape, "max_position_embeddings": max(t, 2048), "scan_layers": True,
+                  "remat": args.remat, "param_dtype": "float32", "compute_dtype": "auto",
+                  "attention": "auto"},
+        "loss": {"name": "topr", "logprob_chunk_size": 16384},
+        "optim": {"name": "adamw", "learning_rate": 1e-6, "clip_norm": 1.0},
+        "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
+        "train": {"batch_size": b, "max_seq_len": t},
+    })
+    mesh = make_mesh(config.mesh, jax.devices()[:1])
+    state = create_train_state(config, mesh)
+    nb = numpy_batch(b, t, shape["vocab_size"])
+    batch = jax.device_put(Batch(
+        inputs=nb["inputs"], targets=nb["targets"],
+        positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+        segment_ids=np.ones((b, t), np.int32), loss_mask=nb["mask"],
+        behavior_logprobs=nb["mu"], mu_logprobs=nb["mu"],
+        ref_logprobs=np.zeros((b, t), np.float32), rewards=nb["rewards"],
+        correct=nb["rewards"] > 0, group_ids=np.arange(b, dtype=np.int32),
+        record_mask=np.ones(b, np.float32), pair_index=np.zeros((0, 2), np.int32),
+    ), jax.devices()[0])
+    step = make_train_step(config, mesh, state)
+    holder = {"state": state}
+    print("attention:", resolve("auto", dtype="bfloat16"), file=sys.stderr)
+
+    def one() -> float:
+        holder["state"], metrics = step(holder["state"], batch)
+        return float(jax.block_until_ready(metrics)["loss"])
+    return count_params(state.params), one
+
+
+def run_torch(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cls, cfg_cls = ((Qwen2ForCausalLM, Qwen2Config) if shape["family"] == "qwen2"
+                    else (LlamaForCausalLM, LlamaConfig))
+    cfg = cfg_cls(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                  intermediate_size=shape["intermediate_size"],
+                  num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
+                  num_key_value_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
+                  rope_theta=shape["rope_theta"], rms_norm_eps=shape["rms_norm_eps"],
+                  tie_word_embeddings=shape["tie_embeddings"],
+                  max_position_embeddings=max(t, 2048), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = cls(cfg).to(device=device, dtype=torch.bfloat16).train()
+    if args.remat == "full":
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    nb = {k: torch.from_numpy(v).to(device) for k, v in
+          numpy_batch(b, t, shape["vocab_size"]).items()}
+
+    def one() -> float:
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=nb["inputs"].long()).logits
+        logp = torch.log_softmax(logits.float(), -1).gather(
+            -1, nb["targets"].long()[..., None])[..., 0]
+        mask = nb["mask"]
+        ell = (logp * mask).sum(-1) - (nb["mu"] * mask).sum(-1)
+        r = torch.exp(ell)
+        rho = torch.where(nb["rewards"] >= 0, 1 + ell, torch.where(r > 1, 1 + ell, r))
+        loss = (-nb["rewards"] * rho / mask.sum(-1)).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return float(loss.detach())
+    return sum(p.numel() for p in model.parameters()), one
+
+
+def child(framework: str, shape_name: str, b: int, t: int, args) -> dict:
+    setup = run_jax if framework == "jax" else run_torch
+    n_params, one = setup(SHAPES[shape_name], b, t, args)
+    one()  # compile / warm up
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - start)
+    if framework == "jax":
+        import jax
+        device = jax.devices()[0].device_kind
+    else:
+        import torch
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"framework": framework, "params": n_params, "median_s": statistics.median(times),
+            "times_s": times, "device": device}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["smollm2_135m", "qwen25_05b", "qwen25_15b"])
+    ap.add_argument("--batches", nargs="+", default=["8x1024", "8x4096"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--remat", default="dots", choices=("none", "full", "dots"))
+    ap.add_argument("--frameworks", nargs="+", default=["jax", "torch"])
+    ap.add_argument("--smoke", action="store_true", help="tiny shape, 2×128, any device")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.child:
+        fw, name, b, t = args.child
+        print(json.dumps(child(fw, name, int(b), int(t), args)))
+        return
+    if args.smoke:
+        args.shapes, args.batches, args.steps = ["tiny"], ["2x128"], 1
+    rows = []
+    for name in args.shapes:
+        for bt in args.batches:
+            b, t = map(int, bt.split("x"))
+            row = {"shape": name, "batch": [b, t]}
+            for fw in args.frameworks:
+                cmd = [sys.executable, __file__, "--child", fw, name, str(b), str(t),
+                       "--steps", str(args.steps), "--remat", args.remat]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode:
+                    row[fw] = {"error": out.stderr.strip().splitlines()[-1:]}
+                    continue
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                tokens = b * t
+                flops = 6 * res["params"] * tokens + attention_flops(SHAPES[name], b, t)
+                peak = next((p for k, p in PEAKS.items() if k in res["device"]), None)
+                res["tokens_per_s"] = tokens / res["median_s"]
+                res["mfu"] = None if peak is None else flops / res["median_s"] / peak
+                row[fw] = res
+            if "tokens_per_s" in row.get("jax", {}) and "tokens_per_s" in row.get("torch", {}):
+                row["jax_over_torch"] = row["jax"]["tokens_per_s"] / row["torch"]["tokens_per_s"]
+            rows.append(row)
+            print(json.dumps(row))
+    device = next((r[fw]["device"] for r in rows for fw in args.frameworks
+                   if "device" in r.get(fw, {})), "unknown")
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"gpu_train_step_{device.replace(' ', '_')}.json")
+    if not args.smoke:
+        out.write_text(json.dumps({"device": device, "remat": args.remat, "rows": rows},
+                                  indent=2) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""TOPR (arXiv:2503.14286) Fig. 5/6 at toy scale: test accuracy vs the effective positive
+fraction p̃ (eq. 12), swept through the baseline c, for TOPR and TIS on datasets with 10% and
+50% positives; mean ± SE over seeds.
+
+Per seed: `jaxrl-llm generate` (a pool of samples from the warm policy μ, ±1 rewards) →
+`score` → `curate data.curation=10p` and `=50p` (fixed size). For each dataset, each target
+p̃ gets its baseline c = `baseline_for_fraction(p, p̃)` (the inverse of eq. 12), and each
+(loss, c) trains the warm policy with the public `Trainer` (`loss.baseline=c`), probing test
+pass@1 at the end on fixed questions with a fixed sampling seed. The p̃ the trainer logged
+(`loss/effective_pos_fraction`, the batch's share of |R − c| on positives) is reported beside
+the target.
+
+    python experiments/topr_baseline.py --out runs/experiments/topr_baseline [--smoke]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+from experiments import common
+
+CONFIG = Path(__file__).with_name("topr_baseline.yaml")
+
+
+def pool(out: Path, warm: dict[str, Any], cfg: dict[str, Any], seed: int) -> Path:
+    """generate → score → curate 10p / 50p for one seed; returns the seed's config path."""
+    d = out / f"data-seed{seed}"
+    config = common.write_config(d / "config.yaml", common.base_config(
+        common.warm_model_section(warm), seed=seed, run_dir=str(out / "runs"),
+        generate={"n": cfg["n"], "max_new_tokens": cfg["max_new_tokens"],
+                  "output": str(d / "records")},
+        data={"num_prompts": cfg["num_prompts"], "records": str(d / "records"),
+              "shuffle_seed": seed, "num_records": cfg["num_records"]},
+        train={"steps": cfg["steps"], "batch_size": cfg["batch_size"], "log_every": cfg["steps"]},
+        optim={"learning_rate": cfg["learning_rate"], "schedule": "constant"}))
+    if not (d / "records-scored" / "manifest.json").exists():
+        common.jaxrl("generate", "--config", str(config))
+        common.jaxrl("score", "--config", str(config))
+    for fraction in cfg["fractions"]:
+        name = curation_name(fraction)
+        if not (d / f"curated-{name}" / "manifest.json").exists():
+            common.jaxrl("curate", "--config", str(config), f"data.curation={name}",
+                         f"data.curated={d / f'curated-{name}'}")
+    return config
+
+
+def curation_name(fraction: float) -> str:
+    return f"{round(fraction * 100)}p"
+
+
+def positive_fraction(records_dir: Path) -> float:
+    from jaxrl_llm.data.shards import RecordSource
+
+    return float(np.mean([r.correct for r in RecordSource(str(records_dir))]))
+
+
+def baseline_for(p: float, target: float) -> float:
+    """c with p̃(p, c) = target (TOPR eq. 12 inverted), within [−1, 1]."""
+    from jaxrl_llm.losses.advantages import baseline_for_fraction
+
+    return float(np.clip(baseline_for_fraction(p, target), -1.0, 1.0))
+
+
+def logged_mean(run_dir: Path, key: str) -> float:
+    """Mean of `key` over the rows of the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return float(np.mean([r[key] for r in rows if key in r]))
+
+
+def finished(run_dir: Path, steps: int, baseline: float) -> dict[str, float] | None:
+    """The final probe of a completed earlier run with this baseline (its metrics.jsonl
+    reached `steps` with an evaluation), so an interrupted sweep continues; else None."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    last = rows[-1] if rows else {}
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if last.get("step") != steps or "eval/pass_at_1" not in last \
+            or config["loss"]["baseline"] != baseline:
+        return None
+    return {"step": steps, **{k[len("eval/"):]: float(v) for k, v in last.items()
+                              if k.startswith("eval/")}}
+
+
+def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.losses.advantages import effective_positive_fraction
+
+    warm = common.warm_policy(args.cache, smoke=args.smoke)
+    configs = {seed: pool(args.out, warm, cfg, seed) for seed in cfg["seeds"]}
+    results: dict[str, Any] = {"config": cfg, "warm_policy": warm, "datasets": {}}
+    step0: dict[str, float] | None = None
+    for fraction in cfg["fractions"]:
+        name = curation_name(fraction)
+        entry: dict[str, Any] = {"targets": cfg["targets"], "losses": {}, "seeds": {}}
+        for seed in cfg["seeds"]:
+            p = positive_fraction(configs[seed].parent / f"curated-{name}")
+            entry["seeds"][str(seed)] = {
+                "positive_fraction": p,
+                "baselines": [baseline_for(p, t) for t in cfg["targets"]]}
+        # Loop order (loss, target, seed): runs differing only in the seed share one compiled
+        # train step (the baseline is part of the step's config).
+        for loss in cfg["losses"]:
+            for ti, target in enumerate(cfg["targets"]):
+                for seed in cfg["seeds"]:
+                    info = entry["seeds"][str(seed)]
+                    c = info["baselines"][ti]
+                    run_dir = args.out / "runs" / f"{name}-t{target:g}-{loss}-seed{seed}"
+                    config = load_config(str(configs[seed]), [
+                        f"loss.name={loss}", f"loss.baseline={c!r}", f"run_dir={run_dir}",
+                        f"data.curated={configs[seed].parent / f'curated-{name}'}"])
+                    probe = common.Probe(config, num_questions=cfg["eval_questions"],
+                                         n=cfg["eval_n"])
+                    if step0 is None:  # the initial policy, once
+                        step0 = probe(common.load_policy(warm["model"], config))
+                    t0 = time.perf_counter()
+                    final = finished(run_dir, cfg["steps"], c)
+                    if final is None:  # not run yet (or interrupted): a fresh run
+                        shutil.rmtree(run_dir, ignore_errors=True)  # the Trainer would resume
+                        final = common.train_with_probe(config, probe,
+                                                        eval_every=cfg["steps"])[-1]
+                    row = {**final, "baseline": c,
+                           "p_tilde_eq12": float(effective_positive_fraction(
+                               info["positive_fraction"], c)),
+                           "p_tilde_logged": logged_mean(run_dir, "loss/effective_pos_fraction"),
+                           "seconds": round(time.perf_counter() - t0, 1)}
+                    entry["losses"].setdefault(loss, {}).setdefault(str(seed), []).append(row)
+                    print(f"[{name} p̃={target:g} c={c:+.3f} {loss} seed {seed}] pass@1 "
+                          f"{row['pass_at_1']:.3f} invalid {row['invalid']:.3f} logged p̃ "
+                          f"{row['p_tilde_logged']:.3f} ({row['seconds']} s)", flush=True)
+        for loss, by_seed in entry["losses"].items():
+            per_seed = [by_seed[str(s)] for s in cfg["seeds"]]
+            summary = {}
+            for key in ("pass_at_1", "invalid", "p_tilde_logged"):
+                mean, se = common.mean_se([[r[key] for r in rows] for rows in per_seed])
+                summary[key] = {"mean": mean.tolist(), "se": se.tolist()}
+            entry["losses"][loss] = {"runs": by_seed, **summary}
+        results["datasets"][name] = entry
+    results["step0"] = step0
+    return results
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["datasets"])
+    fig, axes = plt.subplots(2, len(names), figsize=(max(5.2 * len(names), 8.0), 6.4),
+                             squeeze=False)
+    n_seeds = len(results["config"]["seeds"])
+    for col, name in enumerate(names):
+        entry = results["datasets"][name]
+        x = np.array(entry["targets"])
+        for loss, s in entry["losses"].items():
+            for row, key in enumerate(("pass_at_1", "invalid")):
+                m, se = np.array(s[key]["mean"]), np.array(s[key]["se"])
+                axes[row, col].errorbar(x, m, yerr=se, marker="o", capsize=3, label=loss)
+        for row, key in enumerate(("pass_at_1", "invalid")):
+            ax = axes[row, col]
+            ax.axhline(results["step0"][key], color="gray", ls=":", label="initial policy")
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.set(xlabel="effective positive fraction p̃ (eq. 12)",
+                   ylabel="test pass@1" if key == "pass_at_1" else "invalid rate")
+        axes[0, col].set_title(f"{name} dataset (mean ± SE, {n_seeds} seeds)")
+    axes[0, -1].legend()
+    fig.suptitle("Accuracy vs effective positive fraction (TOPR arXiv:2503.14286 Fig. 5/6)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0], "runs/experiments/topr_baseline")
+    cfg = yaml.safe_load(CONFIG.read_text())["smoke" if args.smoke else "full"]
+    t0 = time.perf_counter()
+    results = run(args, cfg)
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    # CPU time of all this process's threads: on a shared machine, wall time / cores overstates
+    # an idle machine's time; CPU seconds / 2 bounds the 2-core wall time from below.
+    results["cpu_seconds"] = round(time.process_time(), 1)
+    common.write_results(args.out, "results", results)
+    plot(results, args.out / "topr_baseline.png")
+    print(f"wrote {args.out / 'results.json'} and topr_baseline.png in {results['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
