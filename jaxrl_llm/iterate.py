@@ -134,7 +134,7 @@ def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path
     total_tasks = (config.iterate.iterations if config.iterate.fresh_prompts else 1) \
         * d.num_prompts
     state_path = run_dir / "solve_tracker.json"
-    tracker = (SolveTracker.from_state_dict(json.loads(state_path.read_text()))
+    tracker = (SolveTracker.from_state_dict(json.loads(state_path.read_text()), total_tasks)
                if state_path.exists() else SolveTracker(total_tasks))
     rate = tracker.update((offset + ids).tolist(), (c_per > 0).tolist())
     atomic_write_text(state_path, json.dumps(tracker.state_dict()))

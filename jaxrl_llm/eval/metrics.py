@@ -280,8 +280,12 @@ class SolveTracker:
         return {"num_tasks": self.num_tasks, "solved": sorted(self._solved)}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, object]) -> SolveTracker:
-        tracker = cls(int(state["num_tasks"]))  # type: ignore[arg-type]
+    def from_state_dict(cls, state: Mapping[str, object], num_tasks: int | None = None
+                        ) -> SolveTracker:
+        """The saved tracker; `num_tasks` widens it when a run is continued with more tasks
+        (more `iterate.iterations`), so the rate is over the tasks of the whole run."""
+        saved = int(state["num_tasks"])  # type: ignore[arg-type]
+        tracker = cls(max(saved, num_tasks or 0))
         tracker._solved = {int(t) for t in state["solved"]}  # type: ignore[union-attr]
         return tracker
 

@@ -180,6 +180,12 @@ def test_cumulative_solve_rate():
     assert restored.rate == 0.5
     with pytest.raises(ValueError, match="task id 9"):
         tracker.update([9], [True])
+    # A run continued with more iterations (fresh prompts): 2 solved of now 8 tasks, and the
+    # new iteration's task ids 4..7 are accepted instead of failing the re-run.
+    widened = m.SolveTracker.from_state_dict(tracker.state_dict(), num_tasks=8)
+    assert widened.rate == 2 / 8
+    assert widened.update([4, 7], [True, False]) == 3 / 8
+    assert m.SolveTracker.from_state_dict(tracker.state_dict(), num_tasks=2).num_tasks == 4
 
 
 def test_window_means_rates_and_sums_counts():
