@@ -22,6 +22,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_addoption(parser):
+    # Give it as --reliability-report=PATH: with a space, an existing PATH is taken for a test
+    # path by pytest's early parse, which then never loads this file and rejects the option.
     parser.addoption("--reliability-report", default=None, metavar="PATH",
                      help="write the reliability table (tests/reliability.py) to PATH at the end")
 

@@ -2,7 +2,7 @@
 
 A reliability test calls `record(...)` once per scenario with the number of runs it made and
 how many of them failed (a failing run also fails its test, so a committed table with non-zero
-failures cannot come from a green run). `pytest --reliability-report RELIABILITY.md` writes the
+failures cannot come from a green run). `pytest --reliability-report=RELIABILITY.md` writes the
 table at the end of the session from exactly the tests that ran, so the file cannot drift from
 the tests (tests/conftest.py registers the option).
 """
@@ -43,7 +43,7 @@ def render(rows: list[Row]) -> str:
         "# Reliability",
         "",
         "Written by the test run itself: `python -m pytest -q -m \"reliability\" "
-        "--reliability-report RELIABILITY.md` (see the README). Each row is one scenario a test "
+        "--reliability-report=RELIABILITY.md` (see the README). Each row is one scenario a test "
         "exercised, with the number of runs it made and how many failed.",
         "",
     ]

@@ -69,7 +69,7 @@ def test_ci_run_does_not_retype_the_readme_lines() -> None:
     for fragment in ("pip install", "jaxrl-llm quickstart", "run_dir="):
         assert fragment not in code, f".ci/run retypes {fragment!r}; it must come from README.md"
     assert 'pytest -q -m "slow and not reliability"' in code and "ruff check ." in code
-    assert "--reliability-report RELIABILITY.md" in code and "git diff --exit-code" in code
+    assert "--reliability-report=RELIABILITY.md" in code and "git diff --exit-code" in code
 
 
 def test_ci_run_is_valid_bash() -> None:
