@@ -354,9 +354,9 @@ def test_math_path_hostile_answers_bounded_flagged_and_counted(math_task, tmp_pa
     assert statuses.count("timeout") >= 1  # the towers must actually exercise the hard timeout
     record(SECTION, "MATH path: hostile boxed answers through math-verify", runs=len(answers),
            failures=len(failures), detail=f"os.system/exec payloads (sentinel never created), 9**9**9, "
-           f"power towers, 1e999999, 100 kB: {statuses.count('timeout')} timeouts + "
-           f"{statuses.count('error')} verifier errors flagged as reward_error and counted; bound "
-           f"{BOUND_S}s + 0.5s")
+           # no counts here: which towers time out depends on the machine's speed
+           f"power towers, 1e999999, 100 kB: every timeout and verifier error flagged as "
+           f"reward_error and counted; bound {BOUND_S}s + 0.5s")
     assert not failures, failures
 
 
