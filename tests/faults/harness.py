@@ -115,6 +115,8 @@ def interrupt(args: list[str], *, cwd: Path, env: dict[str, str], sig: int, trig
                     break
                 time.sleep(POLL_S)
             code = proc.wait(timeout=timeout)
+            if sig == signal.SIGKILL and code == 0:
+                landed = False  # it arrived while the process was already exiting: a miss
         finally:
             if proc.poll() is None:
                 proc.kill()
