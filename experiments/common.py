@@ -257,3 +257,21 @@ def parse_args(description: str, default_out: str,
     default_cache = args.out.parent / ("warm_policy_smoke" if args.smoke else "warm_policy")
     args.cache = Path(args.cache).resolve() if args.cache else default_cache
     return args
+
+
+def run_experiment(doc: str, name: str, config: Path,
+                   run: Callable[[Any, dict[str, Any]], dict[str, Any]],
+                   plot: Callable[[dict[str, Any], Path], None]) -> None:
+    """The `main()` of an experiment script: parse `--out/--smoke`, run the config's `full` or
+    `smoke` section, record wall and CPU seconds, write `results.json` and `NAME.png`."""
+    args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}")
+    cfg = yaml.safe_load(config.read_text())["smoke" if args.smoke else "full"]
+    t0 = time.perf_counter()
+    results = run(args, cfg)
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    # CPU time of all this process's threads: on a shared machine, wall time / cores overstates
+    # an idle machine's time; CPU seconds / 2 bounds the 2-core wall time from below.
+    results["cpu_seconds"] = round(time.process_time(), 1)
+    write_results(args.out, "results", results)
+    plot(results, args.out / f"{name}.png")
+    print(f"wrote {args.out / 'results.json'} and {name}.png in {results['seconds']} s")

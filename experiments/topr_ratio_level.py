@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from experiments import common
@@ -152,17 +151,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], "runs/experiments/topr_ratio_level")
-    cfg = yaml.safe_load(CONFIG.read_text())["smoke" if args.smoke else "full"]
-    t0 = time.perf_counter()
-    results = run(args, cfg)
-    results["seconds"] = round(time.perf_counter() - t0, 1)
-    # CPU time of all this process's threads: on a shared machine, wall time / cores overstates
-    # an idle machine's time; CPU seconds / 2 bounds the 2-core wall time from below.
-    results["cpu_seconds"] = round(time.process_time(), 1)
-    common.write_results(args.out, "results", results)
-    plot(results, args.out / "topr_ratio_level.png")
-    print(f"wrote {args.out / 'results.json'} and topr_ratio_level.png in {results['seconds']} s")
+    common.run_experiment(__doc__, "topr_ratio_level", CONFIG, run, plot)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Atomic outputs: every result, manifest, report and export appears whole or not at all.
 
-A local file is written to a hidden temporary sibling (`.NAME.XXXX.tmp`, same directory, so
+A local file is written to a hidden temporary sibling (`.NAME.<random>.tmp`, same directory, so
 same file system), flushed and fsync'ed, then renamed onto its name with `os.replace`, which
 POSIX makes atomic: a reader sees the old file or the new one, never half of either; a
 process killed mid-write leaves the old file intact and at most a hidden `.tmp` sibling that
