@@ -27,7 +27,7 @@ from etils import epath
 
 from jaxrl_llm.paths import PathLike, as_path, is_remote
 
-__all__ = ["atomic_directory", "atomic_open", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["atomic_directory", "atomic_file", "atomic_open", "atomic_write_bytes", "atomic_write_text"]
 
 # mkstemp/mkdtemp create 0600/0700; the renamed output gets the usual umask-derived mode.
 _UMASK = os.umask(0)
@@ -50,6 +50,34 @@ def _local_tmp(final: Path) -> Iterator[IO[bytes]]:
             yield f
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: PathLike) -> Iterator[Path]:
+    """A temporary local file name for a writer that takes a path (the GGUF writer): once the
+    block succeeds the file gets the usual mode, is fsync'ed and renamed onto `path` (a remote
+    `path` is staged locally, then copied); on failure it is removed."""
+    target = as_path(path)
+    if is_remote(target):
+        with tempfile.TemporaryDirectory(prefix="jaxrl-atomic-") as local:
+            staged = Path(local) / target.name
+            yield staged
+            target.write_bytes(staged.read_bytes())
+        return
+    final = Path(os.fspath(target))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

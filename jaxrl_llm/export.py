@@ -23,7 +23,7 @@ from typing import Any
 
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_directory
+from jaxrl_llm.atomic import atomic_directory, atomic_file
 from jaxrl_llm.paths import PathLike, as_path, copy_tree, is_remote
 
 
@@ -88,22 +88,8 @@ def atomic_save_gguf(model: Any, out_file: PathLike, *, tokenizer: Any, gguf_typ
         raise ValueError(f"--out {target} must name a .gguf file for --format gguf")
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} exists (pass --overwrite to replace it)")
-    if is_remote(target):
-        with tempfile.TemporaryDirectory(prefix="jaxrl-export-") as local:
-            staged = write_gguf(model, Path(local) / target.name, tokenizer=tokenizer,
-                                gguf_type=gguf_type)
-            target.write_bytes(staged.read_bytes())
-        return target
-    out = Path(os.fspath(target))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
-    try:
+    with atomic_file(target) as tmp:  # temporary sibling, fsync, rename (remote: staged)
         write_gguf(model, tmp, tokenizer=tokenizer, gguf_type=gguf_type)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
 
 
