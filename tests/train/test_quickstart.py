@@ -23,7 +23,7 @@ TINY = [
     "train.steps=2", "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=2",
     "generate.n=2", "generate.max_new_tokens=8", "generate.batch_size=4",
     "data.num_prompts=4", "eval.n=2", "eval.num_questions=4", "eval.maj_k=[1,2]",
-    "eval.batch_size=4", "eval.bootstrap_trials=5",
+    "eval.batch_size=4", "eval.bootstrap_trials=5", "iterate.iterations=1",
 ]
 
 
