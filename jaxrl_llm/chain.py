@@ -80,8 +80,8 @@ def _norm(path: str | None) -> str | None:
 
 
 def _load(path: Path, stage: str) -> Any:
+    from jaxrl_llm.commands.config import schema_class
     from jaxrl_llm.config import load_config
-    from jaxrl_llm.config_cli import schema_class
 
     schema = {"iterate": "iterate", "quickstart": "quickstart"}.get(stage, "experiment")
     return load_config(path, schema=schema_class(schema))

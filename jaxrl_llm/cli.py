@@ -1,7 +1,8 @@
 """`jaxrl-llm <command>`: every stage of the flow as its own command.
 
-Each command lives in the module that implements it, which exposes
-`add_arguments(parser: argparse.ArgumentParser) -> None` and `run(args) -> int | None`.
+Each command is a thin module of `jaxrl_llm/commands/` (the stage's name), which exposes
+`add_arguments(parser: argparse.ArgumentParser) -> None` and `run(args) -> int | None` and
+calls the library packages.
 Modules are imported only when their command runs, so `--help` stays fast and a command's
 heavy dependencies (jax, transformers, matplotlib) load only when needed.
 """
@@ -15,18 +16,18 @@ from collections.abc import Sequence
 
 # name -> (module implementing it, one-line help). Only commands that exist are listed.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("jaxrl_llm.config_cli", "print the resolved configuration of any config (experiment, iterate, quickstart)"),
-    "plan": ("jaxrl_llm.plan", "compile the train step for a mesh/TPU topology; per-device memory and FLOPs"),
-    "data": ("jaxrl_llm.data.cli", "inspect record shards: show | stats | export-jsonl"),
-    "generate": ("jaxrl_llm.generate.cli", "sample completions (jax or vllm) and write scored records"),
-    "score": ("jaxrl_llm.train.score_cli", "write μ per-token log-probs with the trainer's numerics"),
-    "curate": ("jaxrl_llm.data.curate_cli", "select a training set from records (curation, group transforms)"),
-    "report": ("jaxrl_llm.eval.report", "PNG plots and a Markdown summary of a run directory"),
-    "train": ("jaxrl_llm.train.trainer", "train on scored records; resumes from the latest checkpoint"),
-    "export": ("jaxrl_llm.export", "write a training checkpoint as an HF directory (atomic)"),
-    "evaluate": ("jaxrl_llm.eval.evaluate", "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json"),
-    "iterate": ("jaxrl_llm.iterate", "generate → score → curate → train → export → evaluate, per iteration"),
-    "quickstart": ("jaxrl_llm.quickstart", "the whole flow on CPU in minutes: SFT, TOPR, before/after table"),
+    "config": ("jaxrl_llm.commands.config", "print the resolved configuration of any config (experiment, iterate, quickstart)"),
+    "plan": ("jaxrl_llm.commands.plan", "compile the train step for a mesh/TPU topology; per-device memory and FLOPs"),
+    "data": ("jaxrl_llm.commands.data", "inspect record shards: show | stats | export-jsonl"),
+    "generate": ("jaxrl_llm.commands.generate", "sample completions (jax or vllm) and write scored records"),
+    "score": ("jaxrl_llm.commands.score", "write μ per-token log-probs with the trainer's numerics"),
+    "curate": ("jaxrl_llm.commands.curate", "select a training set from records (curation, group transforms)"),
+    "report": ("jaxrl_llm.commands.report", "PNG plots and a Markdown summary of a run directory"),
+    "train": ("jaxrl_llm.commands.train", "train on scored records; resumes from the latest checkpoint"),
+    "export": ("jaxrl_llm.commands.export", "write a training checkpoint as an HF directory (atomic)"),
+    "evaluate": ("jaxrl_llm.commands.evaluate", "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json"),
+    "iterate": ("jaxrl_llm.commands.iterate", "generate → score → curate → train → export → evaluate, per iteration"),
+    "quickstart": ("jaxrl_llm.commands.quickstart", "the whole flow on CPU in minutes: SFT, TOPR, before/after table"),
 }
 
 # Commands that place arrays on devices: on a TPU pod / SLURM job / JAXRL_* launch every host

@@ -8,15 +8,14 @@ the defaults here are the papers' (paper sections cited per field).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxrl_llm.errors import ConfigError  # re-exported: defined apart so leaves need no schema
+from jaxrl_llm.config_io import dump_config, parse_override, read_tree, validate_tree  # noqa: F401 (re-exported)
+from jaxrl_llm.errors import ConfigError  # noqa: F401 re-exported: defined apart so leaves need no schema
 from jaxrl_llm.paths import RunPath  # run/output paths: absolute (or gs://) once validated
 
 
@@ -364,56 +363,6 @@ class ExperimentConfig(Section):
         return self
 
 
-def _dotted(loc: Sequence[Any]) -> str:
-    return ".".join(str(part) for part in loc)
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
-    parts = key.split(".")
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(
-                f"{source}: cannot set {key!r}: {'.'.join(parts[: i + 1])!r} is not a section"
-            )
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b=c` -> ("a.b", c) with c parsed as a YAML scalar/list (so 3, 1e-5, true, [1,2])."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part.isidentifier() for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: {key!r} is not a dotted key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: value is not valid YAML: {err}") from err
-    return key, value
-
-
-def _key_source(key: str, file_keys: set[str], override_keys: dict[str, str], path: str) -> str:
-    """Say where a failing key was set: an override wins over the file."""
-    for set_key, override in override_keys.items():
-        if key == set_key or key.startswith(set_key + ".") or set_key.startswith(key + "."):
-            return f"override {override!r}"
-    return f"file {path}" if path else "defaults"
-
-
-def _flatten_keys(tree: Mapping[str, Any], prefix: str = "") -> set[str]:
-    keys: set[str] = set()
-    for k, v in tree.items():
-        full = f"{prefix}{k}"
-        keys.add(full)
-        if isinstance(v, Mapping):
-            keys |= _flatten_keys(v, full + ".")
-    return keys
-
-
 def config_from_dict(
     tree: Mapping[str, Any],
     overrides: Sequence[str] = (),
@@ -422,27 +371,7 @@ def config_from_dict(
     schema: type[Section] = ExperimentConfig,
 ) -> Any:
     """Validate a config tree (plus overrides) against `schema`, naming bad keys and sources."""
-    data = copy.deepcopy(dict(tree))
-    file_keys = _flatten_keys(data)
-    override_keys: dict[str, str] = {}
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(data, key, value, f"override {text!r}")
-        override_keys[key] = text
-    try:
-        return schema.model_validate(data)
-    except ValidationError as err:
-        lines = []
-        for e in err.errors():
-            key = _dotted(e["loc"])
-            where = _key_source(key, file_keys, override_keys, source)
-            if not key:  # a check across sections: its message names the keys
-                lines.append(e["msg"].removeprefix("Value error, "))
-            elif e["type"] == "extra_forbidden":
-                lines.append(f"unknown key {key!r} (from {where})")
-            else:
-                lines.append(f"{key!r} (from {where}): {e['msg']}; got {e.get('input')!r}")
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+    return validate_tree(tree, overrides, source=source, schema=schema)
 
 
 def load_config(
@@ -452,26 +381,5 @@ def load_config(
     schema: type[Section] = ExperimentConfig,
 ) -> Any:
     """Load a YAML file (or only defaults when `path` is None) and apply `a.b=c` overrides."""
-    tree: dict[str, Any] = {}
-    source = ""
-    if path is not None:
-        source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {source}: {err}") from err
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {source} is not valid YAML: {err}") from err
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {source}: top level must be a mapping, got {type(loaded).__name__}")
-        tree = loaded
-    return config_from_dict(tree, overrides, source=source, schema=schema)
-
-
-def dump_config(config: Section) -> str:
-    """The resolved config as YAML (what checkpoints store next to the weights)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    tree = {} if path is None else read_tree(path)
+    return config_from_dict(tree, overrides, source="" if path is None else str(path), schema=schema)

@@ -16,7 +16,6 @@ runs in one process; the train step and the sampler compile once.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -341,25 +340,3 @@ def run_iterations(
             on_iteration(result)
         current = result.model
     return initial, results
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxrl_llm.config_cli import add_config_arguments
-
-    add_config_arguments(parser, required=True)
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import load_config
-    from jaxrl_llm.eval.evaluate import format_table
-
-    config = load_config(args.config, args.overrides, schema=IterateConfig)
-    initial, results = run_iterations(config, progress=not args.no_progress)
-    rows = ([("initial", initial)] if initial else []) + [
-        (f"iter {r.index}", r.eval) for r in results if r.eval is not None
-    ]
-    if rows:
-        print(format_table(rows))
-    print(f"run directory: {config.run_dir}")
-    return 0

@@ -21,7 +21,6 @@ already a chat model) with fewer, shorter steps. The defaults live in `QUICKSTAR
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from typing import Any
@@ -261,19 +260,3 @@ def run_quickstart(config: QuickstartConfig, *, progress: bool = True) -> dict[s
     for name, path in summary["paths"].items():
         print(f"{name:>12}: {path}")
     return summary
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
-                        help="tiny: a small Llama trained from scratch (default); smollm2: the "
-                             "packaged SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--config", default=None, help="quickstart YAML (default: built in)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-
-
-def run(args: argparse.Namespace) -> int:
-    overrides = (SMOLLM2_OVERRIDES if args.model == "smollm2" else []) + list(args.overrides)
-    config = load_quickstart_config(args.config, overrides)
-    run_quickstart(config, progress=not args.no_progress)
-    return 0

@@ -3,8 +3,9 @@
 Every `import` / `from … import` statement counts, the ones inside functions too (the package
 imports lazily to keep `--help` fast, and a lazy import is still a dependency). Nodes are the
 subpackages (`losses`, `models`, …) and the top-level modules (`config`, `export`, …).
-Module names kept as strings for `importlib` (the command table of `cli.py`, `--schema` in
-`config_cli.py`) are the command layer's dispatch and are not counted.
+Module names kept as strings for `importlib`/`runpy` (the command table of `cli.py`, `--schema`
+in `commands/config.py`, the `python -m jaxrl_llm.generate.vllm` entry point) are the command
+layer's dispatch and are not counted.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def test_cycle_finder_finds_a_cycle_through_a_third_node_and_none_in_a_chain() -
 def test_the_graph_sees_the_package() -> None:
     graph = import_graph()
     assert {"losses", "models", "parallel", "data", "tasks", "generate", "train", "eval",
-            "config", "cli"} <= set(graph)
+            "config", "cli", "commands"} <= set(graph)
     assert "losses" in graph["train"] and "models" in graph["train"]  # known real edges
 
 
@@ -172,7 +173,7 @@ def test_losses_is_a_leaf_and_models_imports_only_parallel_and_errors() -> None:
 
 
 @pytest.mark.parametrize("package", ["losses", "models", "parallel", "data", "tasks", "generate",
-                                     "train", "eval"])
+                                     "train", "eval", "commands"])
 def test_docs_module_map_lists_exactly_the_imports(package: str) -> None:
     documented = documented_dependencies()
     assert package in documented, f"docs/architecture.md module map has no row for `{package}/`"
@@ -182,6 +183,16 @@ def test_docs_module_map_lists_exactly_the_imports(package: str) -> None:
         f"docs/architecture.md says `{package}/` depends on {sorted(documented[package])}; the "
         f"source imports {sorted(actual)}: " + _describe(graph, package, actual - documented[package])
         + " — fix the import or the table")
+
+
+def test_commands_is_the_top_layer() -> None:
+    """The stage commands import the library; no library module imports them (only the
+    `jaxrl-llm` dispatcher and `chain.py`, which parses the commands' documented lines)."""
+    graph = import_graph()
+    importers = {src for src, dsts in graph.items() if "commands" in dsts}
+    assert importers <= {"cli", "chain"}, "library modules import the command layer: " + "; ".join(
+        _describe(graph, src, {"commands"}) for src in sorted(importers - {"cli", "chain"}))
+    assert {"train", "generate", "data", "eval"} <= set(graph["commands"])
 
 
 def test_no_cycle_between_packages() -> None:

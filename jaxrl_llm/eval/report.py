@@ -11,7 +11,6 @@ Writes `report/*.png` and `report/report.md` (or under `--out`).
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Mapping
 
@@ -151,17 +150,3 @@ def write_report(run_dir: PathLike, out_dir: PathLike | None = None) -> epath.Pa
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(report, "\n".join(md) + "\n")
     return report
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="run directory (holds metrics.jsonl / eval.json files)")
-    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
-
-
-def run(args: argparse.Namespace) -> int:
-    report = write_report(args.run_dir, args.out)
-    print(f"report: {report}")
-    for png in sorted(report.parent.glob("*.png")):
-        print(f"  {png}")
-    return 0
-

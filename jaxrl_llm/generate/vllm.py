@@ -3,7 +3,8 @@
 Uses vLLM's offline `LLM.generate` with `SamplingParams(n, temperature, top_p, top_k,
 max_tokens, logprobs=1)` on token-id prompts built by the same task code as the JAX backend,
 and writes records with the same shard writer. `vllm` is an optional extra
-(`pip install jaxrl_llm[vllm]`); nothing here imports it until a run starts.
+(`pip install jaxrl_llm[vllm]`); nothing here imports it until a run starts. The command's
+flags and printing live in `commands/vllm_host.py`.
 
 Which log-probs vLLM reports is an engine option (`logprobs_mode`): with
 `processed_logprobs` (default here) they are after temperature and top-k/top-p — the
@@ -16,8 +17,6 @@ TOPR T=1, top-p 1, top-k 500, 512 tokens, n=16 GSM8K / 32 MATH; FPA T=0.7, n=8.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,21 +58,15 @@ def completions_from_request_outputs(outputs: Sequence[Any], *, logprobs_mode: s
     return completions
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxrl_llm.config_cli import add_config_arguments
-
-    parser.add_argument("--model", required=True, help="Hugging Face model directory (or hub id)")
-    parser.add_argument("--out", help="record directory (default: generate.output)")
-    parser.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per LLM.generate call")
-    parser.add_argument("--overwrite", action="store_true")
-    add_config_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
+def generate_vllm_records(config: Any, model: str, out: str, *, chunk_prompts: int = 1024,
+                          overwrite: bool = False) -> Any:
+    """Sample `generate.n` completions per prompt of the config's task with vLLM's offline
+    engine on `model` (HF directory or hub id) and write reward-scored records to `out`;
+    returns the written manifest."""
     from vllm import LLM, SamplingParams  # the optional extra; only on the GPU host
 
-    from jaxrl_llm.config import ConfigError, load_config
     from jaxrl_llm.data.shards import SamplingInfo, ShardWriter
+    from jaxrl_llm.errors import ConfigError
     from jaxrl_llm.generate.completions import (
         build_records,
         encode_prompts,
@@ -82,14 +75,10 @@ def run(args: argparse.Namespace) -> int:
     )
     from jaxrl_llm.generate.loading import task_from_config
 
-    config = load_config(args.config, args.overrides)
     g, d = config.generate, config.data
-    out = args.out or g.output
-    if out is None:
-        raise ConfigError("set --out or generate.output")
     task = task_from_config(config)
     problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
-    engine: dict[str, Any] = dict(model=args.model, tensor_parallel_size=g.tensor_parallel_size,
+    engine: dict[str, Any] = dict(model=model, tensor_parallel_size=g.tensor_parallel_size,
                                   gpu_memory_utilization=g.gpu_memory_utilization, seed=config.seed)
     if g.vllm_logprobs_mode != "raw_logprobs":  # vLLM's default; the option exists from 0.10.2
         engine["logprobs_mode"] = g.vllm_logprobs_mode
@@ -104,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     chat = config.data.chat_template
     prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat)
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat)
-    with ShardWriter(out, records_per_shard=g.records_per_shard, vocab_size=None, overwrite=args.overwrite,
-                     tokenizer=args.model, model=args.model, task=task.name, reward_fn=task.reward_fn,
+    with ShardWriter(out, records_per_shard=g.records_per_shard, vocab_size=None, overwrite=overwrite,
+                     tokenizer=model, model=model, task=task.name, reward_fn=task.reward_fn,
                      sampling=SamplingInfo(backend="vllm", temperature=g.temperature, top_p=g.top_p,
                                            top_k=g.top_k, max_new_tokens=g.max_new_tokens, n=g.n,
                                            seed=config.seed),
@@ -113,22 +102,19 @@ def run(args: argparse.Namespace) -> int:
                             **sampler_logprob_info(backend="vllm", temperature=g.temperature,
                                                    top_k=g.top_k, top_p=g.top_p,
                                                    logprobs_mode=g.vllm_logprobs_mode)}) as writer:
-        for start in tqdm(range(0, len(problems), args.chunk_prompts), desc="vllm generate", unit="chunk"):
-            sub = slice(start, start + args.chunk_prompts)
+        for start in tqdm(range(0, len(problems), chunk_prompts), desc="vllm generate", unit="chunk"):
+            sub = slice(start, start + chunk_prompts)
             outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids[sub]], params)
             completions = completions_from_request_outputs(outputs, logprobs_mode=g.vllm_logprobs_mode)
             writer.write_all(build_records(task, problems[sub], prompt_ids[sub], completions, tokenizer,
                                            group_offset=start, prompts=prompts[sub]))
         writer.manifest.extra["task_metrics"] = task.metrics()
-    print(f"wrote {writer.manifest.num_records} records to {out}")
-    return 0
+    return writer.manifest
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.generate.vllm", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+if __name__ == "__main__":  # the GPU host's entry point (launch/vllm_host.sh)
+    import runpy
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    # The command (flags, config loading, printing) is the command layer's; named by string
+    # like cli.py's command table, so this library module does not import it.
+    runpy.run_module("jaxrl_llm.commands.vllm_host", run_name="__main__", alter_sys=True)

@@ -17,35 +17,21 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from jaxrl_llm.errors import ModelFileError
+from jaxrl_llm.models.hf_config import (  # noqa: F401 (re-exported: the HF tables, the error)
+    ARCHITECTURES,
+    FAMILIES,
+    SUPPORTED_ROPE_TYPES,
+    UnsupportedConfigError,
+    fields_from_hf,
+    hf_config_dict,
+)
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-}
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PARAM_DTYPES: tuple[str, ...] = tuple(_DTYPES)  # what parameters and activations may be
-
-# HF config keys we read, per family (everything else is either harmless metadata we ignore
-# or in `_REJECT_IF_SET`).
-_REJECT_IF_SET: dict[str, Any] = {
-    # key: the only value we support (anything else changes the math and is an error)
-    "mlp_bias": False,
-    "use_sliding_window": False,
-    "use_bidirectional_attention": None,
-    "quantization_config": None,
-    "partial_rotary_factor": 1.0,
-    "rope_interleaved": False,  # SmolLM2 configs say false; true would be GPT-J style RoPE
-}
 
 
 def resolve_compute_dtype(name: str, platform: str | None = None) -> str:
@@ -57,10 +43,6 @@ def resolve_compute_dtype(name: str, platform: str | None = None) -> str:
 
     platform = platform or jax.default_backend()
     return "float32" if platform == "cpu" else "bfloat16"
-
-
-class UnsupportedConfigError(ModelFileError):
-    """A Hugging Face config (or field value) this decoder does not implement."""
 
 
 def dtype_name(value: Any, *, field: str = "dtype",
@@ -219,7 +201,7 @@ class DecoderConfig:
     def replace(self, **changes: Any) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
 
-    # ---- Hugging Face config.json -------------------------------------------------------
+    # ---- Hugging Face config.json (models/hf_config.py) --------------------------------
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], *, source: str = "config.json",
                 **overrides: Any) -> DecoderConfig:
@@ -227,156 +209,15 @@ class DecoderConfig:
 
         `overrides` set our own fields (param_dtype, compute_dtype, remat, scan_layers, ...).
         """
-        def fail(msg: str) -> UnsupportedConfigError:
-            return UnsupportedConfigError(f"{source}: {msg}")
-
-        model_type = hf.get("model_type")
-        if model_type not in FAMILIES:
-            raise fail(f"model_type={model_type!r} is not supported (supported: {FAMILIES})")
-        archs = hf.get("architectures") or [ARCHITECTURES[model_type]]
-        for arch in archs:
-            if arch != ARCHITECTURES[model_type]:
-                raise fail(
-                    f"architectures entry {arch!r} is not supported for model_type "
-                    f"{model_type!r} (expected {ARCHITECTURES[model_type]!r})"
-                )
-        for key, allowed in _REJECT_IF_SET.items():
-            value = hf.get(key, allowed)
-            if value != allowed and not (allowed is None and value is False):
-                raise fail(f"field {key}={value!r} is not supported (only {allowed!r})")
-        act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
-        act = hf.get(act_key) or hf.get("hidden_act")
-        expected_act = "gelu_pytorch_tanh" if model_type == "gemma2" else "silu"
-        if act is not None and act != expected_act:
-            raise fail(f"field {act_key}={act!r} is not supported for {model_type} "
-                       f"(only {expected_act!r})")
-
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy = dict(hf.get("rope_scaling") or {})
-        if legacy:  # as transformers reads a file with both: the legacy rope_scaling wins
-            if "type" in legacy:
-                legacy.setdefault("rope_type", legacy.pop("type"))
-            rope = {**rope, **legacy}
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10_000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise fail(f"rope_scaling rope_type={rope_type!r} is not supported "
-                       f"(supported: {SUPPORTED_ROPE_TYPES})")
-        if rope.pop("partial_rotary_factor", 1.0) not in (1, 1.0, None):
-            raise fail("rope_parameters partial_rotary_factor != 1 is not supported")
-        rope_scaling = None if rope_type == "default" else rope
-
-        attention_bias = bool(hf.get("attention_bias", False))
-        qkv_bias = model_type == "qwen2" or attention_bias
-        o_bias = attention_bias and model_type != "qwen2"
-        sliding_window = hf.get("sliding_window")
-        layer_types = hf.get("layer_types")
-        if model_type in ("qwen2", "qwen3", "llama"):
-            # Qwen configs always carry a sliding_window value, used only with
-            # use_sliding_window=True (rejected above); Llama has none.
-            sliding_window = None
-            if layer_types and any(k != "full_attention" for k in layer_types):
-                raise fail(f"layer_types={layer_types!r}: only full_attention is supported "
-                           f"for {model_type}")
-            layer_types = None
-        elif model_type == "mistral":
-            layer_types = None
-        elif model_type == "gemma2" and layer_types is None:
-            # HF's Gemma 2 default: even layers local (sliding), odd layers global.
-            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                           for i in range(hf["num_hidden_layers"])]
-        gemma = model_type == "gemma2"
-        fields: dict[str, Any] = dict(
-            family=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            qk_norm=model_type == "qwen3",
-            sliding_window=sliding_window,
-            layer_types=tuple(layer_types) if layer_types else None,
-            attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
-            final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
-            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma else None,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            hidden_act="gelu_tanh" if gemma else "silu",
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-        )
-        fields.update(overrides)
+        fields = {**fields_from_hf(hf, source=source), **overrides}
         try:
             return cls(**fields)
         except UnsupportedConfigError as err:
-            raise fail(str(err)) from None
+            raise UnsupportedConfigError(f"{source}: {err}") from None
 
     def to_hf(self, *, dtype: str | None = None) -> dict[str, Any]:
         """The HF `config.json` dict for this architecture (transformers 5 and legacy keys)."""
-        rope_parameters: dict[str, Any] = {"rope_type": "default"}
-        if self.rope_scaling is not None:
-            rope_parameters = dict(self.rope_scaling)
-        rope_parameters["rope_theta"] = self.rope_theta
-        legacy_scaling = None
-        if self.rope_scaling is not None:
-            legacy_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-        hf: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.family]],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": legacy_scaling,
-            "rope_parameters": rope_parameters,
-            "tie_word_embeddings": self.tie_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "dtype": dtype or self.param_dtype,
-            # transformers 4.x (and vLLM builds on it) read the older key.
-            "torch_dtype": dtype or self.param_dtype,
-            "use_cache": True,
-        }
-        if self.family == "gemma2":
-            hf.update(
-                hidden_activation="gelu_pytorch_tanh",
-                hidden_act="gelu_pytorch_tanh",
-                attention_bias=self.qkv_bias,
-                query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
-                sliding_window=self.sliding_window,
-                layer_types=list(self.layer_types),
-                attn_logit_softcapping=self.attn_logit_softcap,
-                final_logit_softcapping=self.final_logit_softcap,
-            )
-        else:
-            hf["hidden_act"] = "silu"
-            if self.family in ("llama", "qwen3"):
-                hf["attention_bias"] = self.qkv_bias
-            if self.family == "llama":
-                hf["mlp_bias"] = False
-            if self.family == "mistral":
-                hf["sliding_window"] = self.sliding_window
-            if self.family in ("qwen2", "qwen3"):
-                hf.update(use_sliding_window=False, sliding_window=None,
-                          max_window_layers=self.num_layers,
-                          layer_types=["full_attention"] * self.num_layers)
-        return hf
+        return hf_config_dict(self, dtype=dtype)
 
     @classmethod
     def from_model_config(cls, model: Any) -> DecoderConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import jax
@@ -30,6 +31,15 @@ class MeshSizes(Protocol):
     data: int
     fsdp: int
     tensor: int
+
+
+@dataclass(frozen=True)
+class AxisSizes:
+    """Plain `MeshSizes` for a mesh a pass builds itself, not from a `mesh:` config section."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
 
 
 def resolve_mesh_shape(config: MeshSizes, num_devices: int) -> tuple[int, int, int]:

@@ -25,8 +25,6 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ from etils import epath
 from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ExperimentConfig, dump_config
 from jaxrl_llm.paths import PathLike, as_path
-from jaxrl_llm.train.preemption import EXIT_PREEMPTED, StopSync
+from jaxrl_llm.train.preemption import EXIT_PREEMPTED, StopSync  # noqa: F401 (EXIT_PREEMPTED re-exported)
 from jaxrl_llm.train.state_items import STATE_FIELDS, state_items, with_items  # noqa: F401 (re-exported)
 
 # (step, state) -> metrics to log under "eval/" (or None)
@@ -372,35 +370,3 @@ def _install_sigterm(stop: StopSync) -> None:
 
 def _restore_sigterm(stop: StopSync) -> None:
     stop.uninstall()
-
-
-# -- `jaxrl-llm train` ----------------------------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxrl_llm.config_cli import add_config_arguments
-
-    add_config_arguments(parser, required=True)
-    parser.add_argument("--records", default=None, help="records directory (default: data.curated, else the scored "
-                        "records <data.records>-scored when they exist, else data.records)")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-
-
-def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import load_config
-    from jaxrl_llm.train.nonfinite import NonFiniteError
-
-    config = load_config(args.config, args.overrides)
-    trainer = Trainer(config, records=args.records, progress=not args.no_progress)
-    try:
-        result = trainer.run()
-    except NonFiniteError as err:  # a diagnosis, not a crash: no traceback
-        print(f"jaxrl-llm train: {err}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()
-    if result.stopped:
-        print(f"stopped by SIGTERM at step {result.step}; checkpoint in {result.checkpoint_dir}")
-        return EXIT_PREEMPTED
-    print(f"trained {result.step} steps; checkpoints {result.checkpoint_dir}; "
-          f"metrics {result.metrics_path}")
-    return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from jaxrl_llm.config_cli import add_config_arguments
+from jaxrl_llm.commands.config import add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

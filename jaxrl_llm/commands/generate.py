@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxrl_llm.config_cli import add_config_arguments
+from jaxrl_llm.commands.config import add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,14 +47,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {manifest.num_records} gold records to {out}")
         return 0
     if g.backend == "vllm":
-        from jaxrl_llm.generate import vllm as vllm_backend
+        from jaxrl_llm.generate.vllm import generate_vllm_records
 
         model = args.model or config.model.path
         if model is None:
             raise ConfigError("generate.backend=vllm needs --model or model.path (an HF directory)")
-        ns = argparse.Namespace(model=model, out=out, chunk_prompts=1024, overwrite=args.overwrite,
-                                config=args.config, overrides=args.overrides)
-        return vllm_backend.run(ns)
+        manifest = generate_vllm_records(config, model, out, chunk_prompts=1024,
+                                         overwrite=args.overwrite)
+        print(f"wrote {manifest.num_records} records to {out}")
+        return 0
     from jaxrl_llm.generate.jax_backend import generate_records
 
     model, tokenizer = model_and_tokenizer(config)

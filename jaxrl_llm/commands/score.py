@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxrl_llm.config_cli import add_config_arguments
+from jaxrl_llm.commands.config import add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,39 @@
+"""`jaxrl-llm train --config C`: train on scored (or curated) records with the config's loss;
+resumes from the run's latest checkpoint (`train.trainer.Trainer`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxrl_llm.commands.config import add_config_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, required=True)
+    parser.add_argument("--records", default=None, help="records directory (default: data.curated, else the scored "
+                        "records <data.records>-scored when they exist, else data.records)")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.train.nonfinite import NonFiniteError
+    from jaxrl_llm.train.preemption import EXIT_PREEMPTED
+    from jaxrl_llm.train.trainer import Trainer
+
+    config = load_config(args.config, args.overrides)
+    trainer = Trainer(config, records=args.records, progress=not args.no_progress)
+    try:
+        result = trainer.run()
+    except NonFiniteError as err:  # a diagnosis, not a crash: no traceback
+        print(f"jaxrl-llm train: {err}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.close()
+    if result.stopped:
+        print(f"stopped by SIGTERM at step {result.step}; checkpoint in {result.checkpoint_dir}")
+        return EXIT_PREEMPTED
+    print(f"trained {result.step} steps; checkpoints {result.checkpoint_dir}; "
+          f"metrics {result.metrics_path}")
+    return 0

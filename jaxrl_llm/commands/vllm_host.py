@@ -1,0 +1,46 @@
+"""`python -m jaxrl_llm.generate.vllm --model HF_DIR --config C [--out DIR]`: generate records
+with vLLM on a GPU host (launch/vllm_host.sh; `jaxrl-llm generate` with
+`generate.backend: vllm` runs the same library call, `generate.vllm.generate_vllm_records`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from jaxrl_llm.commands.config import add_config_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory (or hub id)")
+    parser.add_argument("--out", help="record directory (default: generate.output)")
+    parser.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per LLM.generate call")
+    parser.add_argument("--overwrite", action="store_true")
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxrl_llm.config import ConfigError, load_config
+    from jaxrl_llm.generate.vllm import generate_vllm_records
+
+    config = load_config(args.config, args.overrides)
+    out = args.out or config.generate.output
+    if out is None:
+        raise ConfigError("set --out or generate.output")
+    manifest = generate_vllm_records(config, args.model, out, chunk_prompts=args.chunk_prompts,
+                                     overwrite=args.overwrite)
+    print(f"wrote {manifest.num_records} records to {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import jaxrl_llm.generate.vllm as backend
+
+    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.generate.vllm",
+                                     description=(backend.__doc__ or "").split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The sharded scorer of the score pass (`train.score`): per-token log-probs of this process's
+rows at the sampling temperature (μ) and at T = 1 (π_ref), from one forward pass of the train
+step's own `forward` on the training mesh (docs/architecture.md § Why μ is re-scored)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm.data.collate import collate, record_row
+from jaxrl_llm.data.records import Record
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, make_mesh
+
+BATCH_SIZE_KEY = "generate.score_batch_size"
+# π_ref's log-probs are the policy's own distribution: DPO (arXiv:2305.18290), KTO
+# (arXiv:2402.01306), A*-PO (arXiv:2505.20686) and FPA's KL term compare log π and log π_ref
+# at temperature 1, whatever temperature sampled the data.
+REF_TEMPERATURE = 1.0
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
+
+
+def default_mesh(devices: Sequence[Any] | None = None) -> Mesh:
+    """A data-parallel ("data", "fsdp", "tensor") = (n, 1, 1) mesh over `devices`.
+
+    Default: one device in a single-process run (the score pass's historical behaviour), every
+    device of the job in a multi-process one (a mesh must span all processes).
+    """
+    if devices is None:
+        devices = jax.devices() if jax.process_count() > 1 else jax.devices()[:1]
+    return make_mesh(AxisSizes(data=-1, fsdp=1, tensor=1), list(devices))
+
+
+def _local_rows(array: jax.Array) -> np.ndarray:
+    """This process's rows of a row-sharded global array, in global row order."""
+    parts: dict[int, Any] = {}
+    for shard in array.addressable_shards:
+        parts.setdefault(shard.index[0].start or 0, shard.data)  # "tensor" replicas: keep one
+    return np.concatenate([np.asarray(parts[start]) for start in sorted(parts)])
+
+
+def process_rows(mesh: Mesh, batch_size: int) -> int:
+    """Rows this process feeds per call of a global batch of `batch_size` rows on `mesh`.
+
+    Raises `ConfigError` naming `generate.score_batch_size` / `mesh.*` when the rows do not
+    split over the mesh, or when processes would share rows (a "tensor" axis across hosts).
+    """
+    shards = batch_shards(mesh)
+    if batch_size % shards:
+        raise ConfigError(
+            f"{BATCH_SIZE_KEY}={batch_size} must be a multiple of the mesh's data×fsdp = "
+            f"{shards} (mesh {dict(mesh.shape)}): the score pass splits each batch's rows over "
+            "those axes like the train step")
+    index_map = NamedSharding(mesh, P(BATCH_AXES)).devices_indices_map((batch_size, 1))
+    owned = {index[0].indices(batch_size) for device, index in index_map.items()
+             if device.process_index == jax.process_index()}
+    rows = sum(len(range(*s)) for s in owned)
+    if rows * jax.process_count() != batch_size:
+        raise ConfigError(
+            f"mesh {dict(mesh.shape)}: this process holds {rows} of {batch_size} rows over "
+            f"{jax.process_count()} processes; multi-process scoring needs every process to own "
+            "distinct rows (keep mesh.tensor within one host)")
+    return rows
+
+
+class Scorer:
+    """`(inputs, targets, positions, segment_ids) -> (mu, ref)` log-probs of this process's rows.
+
+    `mu` is at the scoring `temperature` (μ, docs/architecture.md § Why μ is re-scored) and `ref` at temperature 1 — the model
+    scored is the initial policy, i.e. the reference π_ref of the KL/preference losses —
+    both from the same forward pass (the same hidden states, two log-softmaxes; one when
+    the temperature is 1). The parameters live on `mesh` with the trainer's sharding rules
+    (`self.params`), the other variables too (a LoRA model's frozen base), as in
+    `train.state.create_train_state`; a LoRA model's `ref` is its base (adapters off). Each
+    call takes this process's rows `[local_rows, T]` of a global batch of `batch_size` rows
+    and returns their float32 log-probs; all processes must call it together with the same T.
+    """
+
+    def __init__(self, model: Any, *, temperature: float, chunk_size: int, mesh: Mesh) -> None:
+        from jaxrl_llm.losses.logprobs import token_logprobs
+        from jaxrl_llm.parallel.rules import state_shardings
+        from jaxrl_llm.train.state import split_model
+        from jaxrl_llm.train.step import forward
+
+        graphdef, params, rest = split_model(model)
+        self.mesh = mesh
+        self.params = jax.tree.map(jax.device_put, params, state_shardings(params, mesh))
+        # Sharded like parameters: with LoRA the frozen base weights are in `rest`.
+        self.model_state = jax.tree.map(jax.device_put, rest, state_shardings(rest, mesh))
+        lora = getattr(getattr(model, "config", None), "lora", None) is not None
+        self.rows = NamedSharding(mesh, P(BATCH_AXES))
+
+        def score(params, model_state, inputs, targets, positions, segment_ids):
+            hidden, unembed, softcap = forward(graphdef, params, model_state, inputs, positions,
+                                               segment_ids, mesh)
+            # No-op whenever the trainer itself runs (it requires equal dtypes).
+            unembed = unembed.astype(hidden.dtype)
+
+            def logprobs(t: float) -> jax.Array:
+                return token_logprobs(hidden, unembed, targets, chunk_size=chunk_size,
+                                      temperature=t, softcap=softcap)
+
+            mu = logprobs(temperature)
+            if lora:  # π_ref of a LoRA policy is its base: the adapters off (B = 0)
+                ref_h, ref_u, _ = forward(graphdef, jax.tree.map(jax.numpy.zeros_like, params),
+                                          model_state, inputs, positions, segment_ids, mesh)
+                return mu, token_logprobs(ref_h, ref_u.astype(ref_h.dtype), targets,
+                                          chunk_size=chunk_size, temperature=REF_TEMPERATURE,
+                                          softcap=softcap)
+            return mu, (mu if temperature == REF_TEMPERATURE else logprobs(REF_TEMPERATURE))
+
+        self._score = jax.jit(score, out_shardings=(self.rows, self.rows))
+
+    def __call__(self, inputs: np.ndarray, targets: np.ndarray, positions: np.ndarray,
+                 segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        local = inputs.shape[0]
+        global_shape = (local * jax.process_count(), *inputs.shape[1:])
+        arrays = [jax.make_array_from_process_local_data(self.rows, np.asarray(a), global_shape)
+                  for a in (inputs, targets, positions, segment_ids)]
+        mu, ref = self._score(self.params, self.model_state, *arrays)
+        return _local_rows(mu), _local_rows(ref)
+
+
+def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh: Mesh | None = None,
+                devices: Sequence[Any] | None = None) -> Scorer:
+    """A `Scorer` for `model` on `mesh` (docs/architecture.md § Why μ is re-scored).
+
+    `mesh` is normally the training mesh (`parallel.mesh.make_mesh(config.mesh)`); without
+    one, `devices` gives a data-parallel mesh over them, and neither gives `default_mesh()`.
+    """
+    if mesh is not None and devices is not None:
+        raise ValueError("make_scorer: pass mesh or devices, not both")
+    if mesh is None:
+        mesh = default_mesh(devices)
+    return Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh)
+
+
+def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
+                length: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(μ, π_ref) log-probs of each record (`Scorer`), each aligned with its completion.
+
+    `records` (possibly none: an all-padding batch keeps processes in lockstep) are padded to
+    `batch_size` rows of `length` tokens (default: the power-of-two bucket of the longest).
+    """
+    rows = [record_row(r) for r in records]
+    if length is None:
+        length = _bucket(max(r["inputs"].size for r in rows))
+    batch = collate(rows, batch_size, (length,))
+    mu, ref = scorer(batch.inputs, batch.targets, batch.positions, batch.segment_ids)
+    out = []
+    for i, r in enumerate(records):
+        span = slice(r.prompt_ids.size - 1, r.prompt_ids.size - 1 + r.completion_ids.size)
+        out.append((mu[i, span].astype(np.float32), ref[i, span].astype(np.float32)))
+    return out

@@ -1,0 +1,45 @@
+"""The stage commands are thin modules of `jaxrl_llm.commands`, each with the protocol `cli.py`
+dispatches to, and the GPU host's `python -m jaxrl_llm.generate.vllm` entry still parses."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from jaxrl_llm.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = {"config", "plan", "data", "generate", "score", "curate", "train", "export", "evaluate",
+          "report", "iterate", "quickstart"}
+
+
+def test_every_stage_is_a_module_of_commands_with_the_cli_protocol() -> None:
+    assert set(COMMANDS) == STAGES
+    for name, (module_name, _) in COMMANDS.items():
+        assert module_name == f"jaxrl_llm.commands.{name}", (name, module_name)
+        module = importlib.import_module(module_name)
+        assert callable(module.add_arguments) and callable(module.run), module_name
+
+
+def test_commands_stay_thin() -> None:
+    """A command parses, loads config, prints and calls the library: a few dozen lines each."""
+    sizes = {p.name: len(p.read_text(encoding="utf-8").splitlines())
+             for p in (ROOT / "jaxrl_llm" / "commands").glob("*.py")}
+    assert max(sizes.values()) <= 120, sizes
+
+
+def test_vllm_host_entry_point_parses_its_flags() -> None:
+    """launch/vllm_host.sh runs `python -m jaxrl_llm.generate.vllm --model M --config C`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "jaxrl_llm.generate.vllm", "--help"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m jaxrl_llm.generate.vllm")
+    for flag in ("--model", "--out", "--chunk-prompts", "--overwrite", "--config"):
+        assert flag in done.stdout
+    missing = subprocess.run([sys.executable, "-m", "jaxrl_llm.generate.vllm"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "--model" in missing.stderr
