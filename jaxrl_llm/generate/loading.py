@@ -1,12 +1,30 @@
-"""Build the task, tokenizer and model an experiment config names (generate/score commands)."""
+"""Build the task, tokenizer and model an experiment config names (generate/score commands).
+
+The functions read only the `data`, `model` and `seed` fields of the config they are given
+(a protocol, so that this package does not import the whole config schema).
+"""
 
 from __future__ import annotations
 
 import string
-from typing import Any
+from typing import Any, Protocol
 
-from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.tasks import Task, get_task
+
+
+class ExperimentConfig(Protocol):
+    """The fields read here: `data` (task, task_options, task_path, reward_scheme, tokenizer),
+    `model` (the `model:` section) and `seed`."""
+
+    @property
+    def data(self) -> Any: ...
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def seed(self) -> int: ...
 
 # Character alphabet of the default tokenizer for random-init models: every task prompt fits.
 CHAR_ALPHABET = string.ascii_letters + string.digits + string.punctuation + " \n\t"
