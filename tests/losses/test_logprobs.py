@@ -282,6 +282,7 @@ def problems(draw):
     return hidden, unembed, targets, chunk, softcap, temperature
 
 
+@pytest.mark.slow  # ≈ 21 s: 12 hypothesis examples, each compiled twice
 @settings(max_examples=12, deadline=None)
 @given(problems())
 def test_property_finite_jit_equals_eager_and_matches_naive(problem):

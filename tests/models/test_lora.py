@@ -109,6 +109,7 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
 
 
+@pytest.mark.slow  # ≈ 19 s for both; PEFT round trip
 @pytest.mark.parametrize("scan", [False, True])
 def test_merged_export_and_peft_adapter_match_our_adapted_model(base_dir, tmp_path, scan):
     torch = pytest.importorskip("torch")

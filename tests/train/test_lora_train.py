@@ -108,6 +108,7 @@ def _nonzero_adapters(state, seed: int = 7):
         treedef, [0.3 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]))
 
 
+@pytest.mark.slow  # 7–10 s; the default run keeps a LoRA step and DPO-with-LoRA
 def test_fpa_reference_is_the_base_model_with_adapters_off():
     config = lora_config("fpa")
     mesh = make_mesh(config.mesh, jax.devices()[:1])
@@ -130,6 +131,7 @@ def test_fpa_reference_is_the_base_model_with_adapters_off():
     assert np.abs(policy - base).max() > 1e-2  # the policy itself has moved off the base
 
 
+@pytest.mark.slow  # 7–10 s; the default run keeps a LoRA step and DPO-with-LoRA
 def test_score_pass_of_a_lora_policy_writes_the_base_as_reference():
     """The score pass (iterate scores π_{i−1}, a LoRA policy after the first iteration): μ
     from the policy with its adapters, π_ref from the base."""
@@ -170,6 +172,7 @@ def test_dpo_with_lora_uses_the_base_as_reference():
     assert abs(ours - np.log(2.0)) > 1e-3
 
 
+@pytest.mark.slow  # 7–10 s; the default run keeps a LoRA step and DPO-with-LoRA
 def test_plan_counts_adapters_as_trainable_and_the_base_as_frozen():
     full = make_plan(lora_config(mesh=(1, 8, 1), lora=False,
                                  plan={"platform": "cpu", "num_devices": 8}))
