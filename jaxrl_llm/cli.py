@@ -14,20 +14,20 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# name -> (module implementing it, one-line help). Only commands that exist are listed.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("jaxrl_llm.commands.config", "print the resolved configuration of any config (experiment, iterate, quickstart)"),
-    "plan": ("jaxrl_llm.commands.plan", "compile the train step for a mesh/TPU topology; per-device memory and FLOPs"),
-    "data": ("jaxrl_llm.commands.data", "inspect record shards: show | stats | export-jsonl"),
-    "generate": ("jaxrl_llm.commands.generate", "sample completions (jax or vllm) and write scored records"),
-    "score": ("jaxrl_llm.commands.score", "write μ per-token log-probs with the trainer's numerics"),
-    "curate": ("jaxrl_llm.commands.curate", "select a training set from records (curation, group transforms)"),
-    "report": ("jaxrl_llm.commands.report", "PNG plots and a Markdown summary of a run directory"),
-    "train": ("jaxrl_llm.commands.train", "train on scored records; resumes from the latest checkpoint"),
-    "export": ("jaxrl_llm.commands.export", "write a training checkpoint as an HF directory (atomic)"),
-    "evaluate": ("jaxrl_llm.commands.evaluate", "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json"),
-    "iterate": ("jaxrl_llm.commands.iterate", "generate → score → curate → train → export → evaluate, per iteration"),
-    "quickstart": ("jaxrl_llm.commands.quickstart", "the whole flow on CPU in minutes: SFT, TOPR, before/after table"),
+# name -> one-line help; the command is implemented by `jaxrl_llm.commands.<name>`.
+COMMANDS: dict[str, str] = {
+    "config": "print the resolved configuration of any config (experiment, iterate, quickstart)",
+    "plan": "compile the train step for a mesh/TPU topology; per-device memory and FLOPs",
+    "data": "inspect record shards: show | stats | export-jsonl",
+    "generate": "sample completions (jax or vllm) and write scored records",
+    "score": "write μ per-token log-probs with the trainer's numerics",
+    "curate": "select a training set from records (curation, group transforms)",
+    "report": "PNG plots and a Markdown summary of a run directory",
+    "train": "train on scored records; resumes from the latest checkpoint",
+    "export": "write a training checkpoint as an HF directory (atomic)",
+    "evaluate": "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json",
+    "iterate": "generate → score → curate → train → export → evaluate, per iteration",
+    "quickstart": "the whole flow on CPU in minutes: SFT, TOPR, before/after table",
 }
 
 # Commands that place arrays on devices: on a TPU pod / SLURM job / JAXRL_* launch every host
@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Off-policy RL fine-tuning of LLMs in JAX/Flax (TOPR, FPA, PKPO).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, help_text in COMMANDS.items():
+        module_name = f"jaxrl_llm.commands.{name}"
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_module=module_name)
         # Argument definitions are cheap; importing the module pulls in only what it imports.

@@ -18,8 +18,11 @@ STAGES = {"config", "plan", "data", "generate", "score", "curate", "train", "exp
 
 def test_every_stage_is_a_module_of_commands_with_the_cli_protocol() -> None:
     assert set(COMMANDS) == STAGES
-    for name, (module_name, _) in COMMANDS.items():
-        assert module_name == f"jaxrl_llm.commands.{name}", (name, module_name)
+    # cli.py dispatches `jaxrl-llm NAME` to `jaxrl_llm.commands.NAME`: each must exist there.
+    modules = {p.stem for p in (ROOT / "jaxrl_llm" / "commands").glob("*.py")}
+    assert STAGES <= modules, STAGES - modules
+    for name in COMMANDS:
+        module_name = f"jaxrl_llm.commands.{name}"
         module = importlib.import_module(module_name)
         assert callable(module.add_arguments) and callable(module.run), module_name
 

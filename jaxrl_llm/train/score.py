@@ -42,12 +42,12 @@ from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import Manifest, RecordSource, write_manifest, write_shard
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.sampler import default_bucket
 from jaxrl_llm.train.mismatch import NUM_MISMATCH_STATS, Mismatch, compared_logprobs
 from jaxrl_llm.train.scorer import (  # noqa: F401 (re-exported: BATCH_SIZE_KEY, make_scorer, score_batch)
     BATCH_SIZE_KEY,
     REF_TEMPERATURE,
     Scorer,
-    _bucket,
     default_mesh,
     make_scorer,
     process_rows,
@@ -91,7 +91,7 @@ def _plan(manifest: Manifest, lengths: np.ndarray, out: epath.Path, local_rows: 
         plan.records += counts[s]
         for b in range(0, counts[s], local_rows):
             idx = np.arange(starts[s] + b, min(starts[s] + b + local_rows, starts[s + 1]))
-            plan.work.append(_Work(s, tuple(int(i) for i in idx), _bucket(int(row_len[idx].max())),
+            plan.work.append(_Work(s, tuple(int(i) for i in idx), default_bucket(int(row_len[idx].max())),
                                    b + local_rows >= counts[s]))
     return plan
 

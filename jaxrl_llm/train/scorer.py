@@ -4,7 +4,6 @@ step's own `forward` on the training mesh (docs/architecture.md § Why μ is re-
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.models.sampler import default_bucket  # the sampler's padded-length buckets
 from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, make_mesh
 
 BATCH_SIZE_KEY = "generate.score_batch_size"
@@ -23,10 +23,6 @@ BATCH_SIZE_KEY = "generate.score_batch_size"
 # (arXiv:2402.01306), A*-PO (arXiv:2505.20686) and FPA's KL term compare log π and log π_ref
 # at temperature 1, whatever temperature sampled the data.
 REF_TEMPERATURE = 1.0
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
 
 
 def default_mesh(devices: Sequence[Any] | None = None) -> Mesh:
@@ -153,7 +149,7 @@ def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
     """
     rows = [record_row(r) for r in records]
     if length is None:
-        length = _bucket(max(r["inputs"].size for r in rows))
+        length = default_bucket(max(r["inputs"].size for r in rows))
     batch = collate(rows, batch_size, (length,))
     mu, ref = scorer(batch.inputs, batch.targets, batch.positions, batch.segment_ids)
     out = []
