@@ -35,7 +35,9 @@ from jaxrl_llm.models.layers import (
     Attention,
     RMSNorm,
     attention_mask,
+    cached_attention,
     dot_product_attention,
+    fuse_projections,
     make_param,
     mlp,
     project_out,
@@ -59,7 +61,8 @@ REMAT_POLICIES = {
 class KVCache:
     """Key/value cache for incremental decoding (a pytree; shapes are static).
 
-    k, v          [L, B, S, Hkv, D]  keys (after RoPE) and values of every layer
+    k             [L, B, Hkv, D, S]  keys (after RoPE) of every layer, transposed
+    v             [L, B, Hkv, S, D]  values of every layer
     segment_ids   [B, S] int32       segment id of each slot; 0 = empty or padding (never seen)
     positions     [B, S] int32       RoPE position of each slot (for the sliding window)
     index         [] int32           next slot to write (the same for every row)
@@ -71,14 +74,17 @@ class KVCache:
     sliding window by position). Default positions with a cache continue each row:
     `lengths[:, None] + cumsum(segment_ids != 0) - 1`, so a left- or right-padded prompt
     (segment_ids = its attention mask) gets positions 0..n-1 on its real tokens and each
-    decode step (segment_ids = 1) gets the row's next position. Writing past S is not checked
+    decode step (segment_ids = 1) gets the row's next position. The layouts are the ones
+    `layers.cached_attention` multiplies without a transpose; with unrolled layers
+    (`scan_layers=False`) k and v are tuples of L per-layer arrays [B, Hkv, D, S] / [B, Hkv,
+    S, D], so a layer reads its own buffer instead of copying a slice out of the stack. Writing past S is not checked
     inside jit: the caller must keep index + T ≤ S. Attention always spans all S slots (static
     shapes); k/v are updated with dynamic_update_slice, in place when the cache is a loop
     carry (`lax.while_loop` / `fori_loop`) or a donated jit argument.
     """
 
-    k: Array
-    v: Array
+    k: Array | tuple[Array, ...]
+    v: Array | tuple[Array, ...]
     segment_ids: Array
     positions: Array
     index: Array
@@ -86,7 +92,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return jax.tree.leaves(self.v)[0].shape[-2]
 
 
 class Block(nnx.Module):
@@ -118,22 +124,23 @@ def block_forward(
 
     mask: the [B, T, S] mask for `layers.dot_product_attention`, or a function
     `(q, k, v) -> attention output` (a fused kernel from `models/attention.py`).
-    kv: the whole stacked cache (k, v) [L, B, S, Hkv, D] or None; this layer's new keys and
-    values are written into it in place (one dynamic_update_slice on the loop-carried buffer,
-    so a decode step never copies the cache) and the updated pair is returned.
+    kv: None, the whole stacked cache (k, v) [L, B, Hkv, D, S] / [L, B, Hkv, S, D] (read at
+    `layer_index`), or this layer's own pair [B, Hkv, D, S] / [B, Hkv, S, D] (`KVCache`). The
+    new keys and values are written in place (one dynamic_update_slice on the loop-carried
+    buffer, so a decode step never copies the cache) and the updated pair is returned.
     """
     c = config
     norm = lambda h, name: rms_norm(h, p[name]["scale"], eps=c.rms_norm_eps, gemma=c.is_gemma)
     q, k, v = project_qkv(p["attn"], norm(x, "attn_norm"), cos, sin, c)
     if kv is not None:
-        ck, cv = kv
-        start = (layer_index, 0, cache_index, 0, 0)
-        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), start)
-        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), start)
-        kv = (ck, cv)
-        k = jax.lax.dynamic_index_in_dim(ck, layer_index, 0, keepdims=False).astype(q.dtype)
-        v = jax.lax.dynamic_index_in_dim(cv, layer_index, 0, keepdims=False).astype(q.dtype)
-    if callable(mask):
+        kv = _write_cache(kv, k, v, layer_index, cache_index)
+        keys_t, values = kv
+        if keys_t.ndim == 5:  # the stack: this layer's slice
+            keys_t, values = (jax.lax.dynamic_index_in_dim(a, layer_index, 0, keepdims=False)
+                              for a in kv)
+        attn = cached_attention(q, keys_t.astype(q.dtype), values.astype(q.dtype), mask,
+                                scale=c.attn_scale, logit_softcap=c.attn_logit_softcap)
+    elif callable(mask):
         attn = mask(q, k, v)
     else:
         attn = dot_product_attention(q, k, v, mask, scale=c.attn_scale,
@@ -146,6 +153,20 @@ def block_forward(
     if c.is_gemma:
         h = norm(h, "post_mlp_norm")
     return x + h, kv
+
+
+def _write_cache(kv: tuple[Array, Array], k: Array, v: Array, layer_index: Array | int,
+                 slot: Array) -> tuple[Array, Array]:
+    """Write k, v [B, T, Hkv, D] at slots [slot, slot + T) of the cache pair (module `KVCache`
+    layouts: a stack indexed by `layer_index`, or one layer's buffers)."""
+    ck, cv = kv
+    new_k = k.transpose(0, 2, 3, 1).astype(ck.dtype)  # [B, Hkv, D, T]
+    new_v = v.transpose(0, 2, 1, 3).astype(cv.dtype)  # [B, Hkv, T, D]
+    if ck.ndim == 5:
+        return (jax.lax.dynamic_update_slice(ck, new_k[None], (layer_index, 0, 0, 0, slot)),
+                jax.lax.dynamic_update_slice(cv, new_v[None], (layer_index, 0, 0, slot, 0)))
+    return (jax.lax.dynamic_update_slice(ck, new_k, (0, 0, 0, slot)),
+            jax.lax.dynamic_update_slice(cv, new_v, (0, 0, slot, 0)))
 
 
 class Decoder(nnx.Module):
@@ -195,14 +216,29 @@ class Decoder(nnx.Module):
                          preferred_element_type=jnp.float32)
         return softcap(out, self.final_logit_softcap)
 
+    def decode_layer_params(self) -> Any:
+        """The layers' params with projections fused (`layers.fuse_projections`): build once
+        outside a decode loop and pass as `layer_params` to every step."""
+        if self.config.scan_layers:
+            return fuse_projections(nnx.to_pure_dict(nnx.state(self.layers, nnx.Param)))
+        return [fuse_projections(nnx.to_pure_dict(nnx.state(block, nnx.Param)))
+                for block in self.layers]
+
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty `KVCache` for `batch_size` rows of up to `max_len` tokens (compute dtype)."""
         c = self.config
         dtype = dtype or c.compute_jnp_dtype
-        shape = (c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim)
+        k_shape = (batch_size, c.num_kv_heads, c.head_dim, max_len)
+        v_shape = (batch_size, c.num_kv_heads, max_len, c.head_dim)
+        if c.scan_layers:
+            k = jnp.zeros((c.num_layers, *k_shape), dtype)
+            v = jnp.zeros((c.num_layers, *v_shape), dtype)
+        else:
+            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(c.num_layers))
+            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(c.num_layers))
         return KVCache(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=k,
+            v=v,
             segment_ids=jnp.zeros((batch_size, max_len), jnp.int32),
             positions=jnp.zeros((batch_size, max_len), jnp.int32),
             index=jnp.zeros((), jnp.int32),
@@ -216,8 +252,12 @@ class Decoder(nnx.Module):
         positions: Array | None = None,
         segment_ids: Array | None = None,
         cache: KVCache | None = None,
+        layer_params: Any = None,
     ) -> Array | tuple[Array, KVCache]:
-        """Hidden states [B, T, d] after the final norm; `(hidden, new_cache)` with a cache."""
+        """Hidden states [B, T, d] after the final norm; `(hidden, new_cache)` with a cache.
+
+        layer_params: the layers' pure params to use instead of the module's (e.g.
+        `decode_layer_params()`, built once before a decode loop)."""
         c = self.config
         chex.assert_rank(tokens, 2)
         b, t = tokens.shape
@@ -289,7 +329,9 @@ class Decoder(nnx.Module):
 
         kv = None if cache is None else (cache.k, cache.v)
         if c.scan_layers:
-            params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+            params = layer_params
+            if params is None:
+                params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
 
             def body(carry, xs):
                 x, kv = carry
@@ -299,9 +341,17 @@ class Decoder(nnx.Module):
             xs = (params, jnp.asarray(sliding), jnp.arange(c.num_layers, dtype=jnp.int32))
             (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
         else:
+            new_k, new_v = [], []
             for i, block in enumerate(self.layers):
-                p = nnx.to_pure_dict(nnx.state(block, nnx.Param))
-                x, kv = layer(p, x, sliding[i], kv, i)
+                p = (nnx.to_pure_dict(nnx.state(block, nnx.Param)) if layer_params is None
+                     else layer_params[i])
+                layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+                x, layer_kv = layer(p, x, sliding[i], layer_kv, i)
+                if layer_kv is not None:
+                    new_k.append(layer_kv[0])
+                    new_v.append(layer_kv[1])
+            if kv is not None:
+                kv = (tuple(new_k), tuple(new_v))
 
         hidden = rms_norm(x, self.final_norm.scale[...], eps=c.rms_norm_eps, gemma=c.is_gemma)
         if cache is None:

@@ -181,6 +181,25 @@ def project(p: dict[str, Any], name: str, x: Array, config: DecoderConfig,
     return y
 
 
+def fuse_projections(p: dict[str, Any]) -> dict[str, Any]:
+    """One layer's pure params (or a layer stack's) with q/k/v concatenated by heads into
+    `attn.qkv` [d, Hq+2·Hkv, D] and gate/up by columns into `mlp.gate_up` [d, 2F].
+
+    For decoding: a step of a batch of B rows then runs two wide matmuls instead of five
+    narrow ones (SmolLM2-135M, B = 32, 2 CPU cores: q/k/v 0.34 → 0.25 ms, gate/up 1.20 →
+    1.05 ms per layer). Same products, same values. Layers with LoRA adapters are returned
+    unchanged (their weights are not a single matrix).
+    """
+    attn, mlp_p = p["attn"], p["mlp"]
+    if any(key.endswith(ADAPTER_SUFFIX) for key in (*attn, *mlp_p)):
+        return p
+    fused_attn = {k: w for k, w in attn.items() if k not in ("q", "k", "v")}
+    fused_attn["qkv"] = jnp.concatenate([attn["q"], attn["k"], attn["v"]], axis=-2)
+    fused_mlp = {k: w for k, w in mlp_p.items() if k not in ("gate", "up")}
+    fused_mlp["gate_up"] = jnp.concatenate([mlp_p["gate"], mlp_p["up"]], axis=-1)
+    return dict(p, attn=fused_attn, mlp=fused_mlp)
+
+
 def softcap(x: Array, cap: float | None) -> Array:
     """cap · tanh(x / cap) (Gemma 2 logit soft-capping); identity when cap is None."""
     return x if cap is None else cap * jnp.tanh(x / cap)
@@ -197,16 +216,51 @@ def dot_product_attention(
     layout copies around them (fwd+bwd of one SmolLM2-shape layer: 84 → 65 ms).
     """
     b, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    hkv = k.shape[2]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
-    logits = jnp.einsum("bkqd,bksd->bkqs", qg, kh, preferred_element_type=jnp.float32)
-    logits = softcap(logits.reshape(b, hkv, g, t, s) * scale, logit_softcap)
+    logits = jnp.einsum("bkqd,bksd->bkqs", _group_queries(q, hkv), kh,
+                        preferred_element_type=jnp.float32)
+    probs = _masked_probs(logits, mask, t, scale, logit_softcap, v.dtype)
+    return _ungroup(jnp.einsum("bkqs,bksd->bkqd", probs, vh), t)
+
+
+def cached_attention(
+    q: Array, keys_t: Array, values: Array, mask: Array, *, scale: float,
+    logit_softcap: float | None,
+) -> Array:
+    """`dot_product_attention` on the KV cache's layout: keys_t [B,Hkv,D,S] (transposed) and
+    values [B,Hkv,S,D]. Both products are then plain (non-transposed) batched matmuls and no
+    cache slice is copied into another layout: per decode step of SmolLM2-135M at batch 32 on
+    2 CPU cores the score product took 0.38 ms per layer with [B,Hkv,S,D] keys, 0.16 ms here.
+    """
+    t = q.shape[1]
+    logits = jnp.einsum("bkqd,bkds->bkqs", _group_queries(q, keys_t.shape[1]), keys_t,
+                        preferred_element_type=jnp.float32)
+    probs = _masked_probs(logits, mask, t, scale, logit_softcap, values.dtype)
+    return _ungroup(jnp.einsum("bkqs,bksd->bkqd", probs, values), t)
+
+
+def _group_queries(q: Array, hkv: int) -> Array:
+    """q [B,T,Hq,D] -> [B,Hkv,G·T,D]: the G query heads sharing a KV head stacked as rows."""
+    b, t, hq, d = q.shape
+    g = hq // hkv
+    return q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+
+
+def _masked_probs(logits: Array, mask: Array, t: int, scale: float,
+                  logit_softcap: float | None, dtype: Any) -> Array:
+    """Scaled, soft-capped, masked float32 softmax of grouped logits [B,Hkv,G·T,S]."""
+    b, hkv, gt, s = logits.shape
+    logits = softcap(logits.reshape(b, hkv, gt // t, t, s) * scale, logit_softcap)
     logits = jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype).reshape(b, hkv, g * t, s)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, vh)
-    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    return jax.nn.softmax(logits, axis=-1).astype(dtype).reshape(b, hkv, gt, s)
+
+
+def _ungroup(out: Array, t: int) -> Array:
+    """[B,Hkv,G·T,D] -> [B,T,Hq,D] (inverse of `_group_queries`)."""
+    b, hkv, gt, d = out.shape
+    g = gt // t
+    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d)
 
 
 class Attention(nnx.Module):
@@ -247,7 +301,11 @@ def project_qkv(
     c = config
     dt = c.compute_jnp_dtype
     x = x.astype(dt)
-    q, k, v = (project(p, name, x, c) for name in ("q", "k", "v"))
+    if "qkv" in p:  # `fuse_projections`: one matmul, split by heads
+        q, k, v = jnp.split(project(p, "qkv", x, c),
+                            [c.num_heads, c.num_heads + c.num_kv_heads], axis=-2)
+    else:
+        q, k, v = (project(p, name, x, c) for name in ("q", "k", "v"))
     if c.qkv_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -288,5 +346,9 @@ def mlp(p: dict[str, Any], x: Array, config: DecoderConfig) -> Array:
         jax.nn.silu if config.hidden_act == "silu"
         else lambda h: jax.nn.gelu(h, approximate=True)
     )
-    h = act(project(p, "gate", x, config)) * project(p, "up", x, config)
+    if "gate_up" in p:  # `fuse_projections`: one matmul, split in halves
+        gate, up = jnp.split(project(p, "gate_up", x, config), 2, axis=-1)
+    else:
+        gate, up = project(p, "gate", x, config), project(p, "up", x, config)
+    h = act(gate) * up
     return project(p, "down", h, config)

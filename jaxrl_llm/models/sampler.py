@@ -15,9 +15,12 @@ with, for every sample, the completion tokens and TWO per-token log-probabilitie
 Shapes are static: prompts are left-padded to a length bucket (`prompt_buckets`, powers of two
 by default) and the batch is padded to `batch_size` prompts, so repeated calls with the same
 bucket, batch size, `max_new_tokens`, `n`, `top_k` and top-p on/off reuse one compiled program
-(temperature, the top_p value and stop ids are traced arguments). Decode runs inside one
-`lax.while_loop` that exits early once every row has emitted a stop token. Finished rows keep
-running (static shapes) but their tokens are `pad_token_id` and their log-probs 0.
+(temperature, the top_p value and stop ids are traced arguments). Each prompt is prefilled
+once and its n samples share that prefill. Decode runs in `lax.while_loop` segments that exit
+early once every row has emitted a stop token; between segments, rows that have finished are
+dropped from the batch once at most half are still running (`Sampler(segment_steps=,
+min_rows=)`, models/decode_program.py), without changing any sample. A finished row's tokens
+are `pad_token_id` and its log-probs 0 after its stop token.
 
 Determinism: the same `key`, prompts, `batch_size` and params give the same samples (each
 prompt batch uses `fold_in(key, batch_index)`).
@@ -26,19 +29,23 @@ prompt batch uses `fold_in(key, batch_index)`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxrl_llm.models.decoder import KVCache
+from jaxrl_llm.models.decode_program import (  # noqa: F401 (process_logits re-exported)
+    Program,
+    decode_segment,
+    prefill,
+    process_logits,
+    select_rows,
+)
 
 Array = jax.Array
 
@@ -109,164 +116,6 @@ class GenerationOutput:
         return [row[:length].tolist() for row, length in zip(self.tokens, self.lengths)]
 
 
-# ---- logit processing (pure) ---------------------------------------------------------------
-
-
-def process_logits(logits: Array, temperature: Array, top_p: Array, *, top_k: int,
-                   use_top_p: bool) -> Array:
-    """Temperature, then top-k, then top-p (HF/vLLM order). Removed tokens get -inf.
-
-    logits [B, V] float32; temperature > 0 and top_p traced scalars (no recompilation when
-    they change); top_k static (0 = off); `use_top_p` static (False skips the sort).
-    """
-    scaled = logits / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
-    if use_top_p:
-        desc = -jnp.sort(-scaled, axis=-1)
-        probs = jax.nn.softmax(desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # Keep token j (in descending order) while the mass before it is below top_p; the most
-        # likely token is always kept.
-        keep = (mass_before < top_p).at[:, 0].set(True)
-        cutoff_index = jnp.sum(keep, axis=-1, keepdims=True) - 1
-        cutoff = jnp.take_along_axis(desc, cutoff_index, axis=-1)
-        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    return scaled
-
-
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    """The parts of `SamplingParams` that change the compiled program (temperature, top_p
-    values and stop ids are traced, so changing them does not recompile)."""
-
-    max_new_tokens: int
-    n: int
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> _Program:
-        return cls(params.max_new_tokens, params.n, params.greedy, params.top_k,
-                   params.top_p < 1.0)
-
-
-def sample_step(key: Array, logits: Array, temperature: Array, top_p: Array, *,
-                greedy: bool, top_k: int, use_top_p: bool) -> tuple[Array, Array, Array]:
-    """One token per row and its (processed, raw) log-probs. logits [B, V] -> 3 × [B]."""
-    logits = logits.astype(jnp.float32)
-    if greedy:
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        raw_lp = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0]
-        return token, jnp.zeros_like(raw_lp), raw_lp
-    processed = process_logits(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
-    token = jax.random.categorical(key, processed, axis=-1).astype(jnp.int32)
-    lp = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1), token[:, None], axis=-1)
-    raw = jax.nn.log_softmax(logits / temperature, axis=-1)
-    raw_lp = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0]
-    return token, lp[:, 0], raw_lp
-
-
-# ---- the compiled prefill + decode program -------------------------------------------------
-
-
-def _last_logits(model: Any, hidden: Array) -> Array:
-    """Logits [B, V] of the last position (prompts are left-padded: it is the last real one)."""
-    return model.logits(hidden[:, -1:, :])[:, 0, :].astype(jnp.float32)
-
-
-def _repeat_rows(cache: KVCache, n: int) -> KVCache:
-    """Each row of the cache repeated n times (adjacent), k/v rows live on axis 1."""
-    if n == 1:
-        return cache
-    return cache.replace(
-        k=jnp.repeat(cache.k, n, axis=1),
-        v=jnp.repeat(cache.v, n, axis=1),
-        segment_ids=jnp.repeat(cache.segment_ids, n, axis=0),
-        positions=jnp.repeat(cache.positions, n, axis=0),
-        lengths=jnp.repeat(cache.lengths, n, axis=0),
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "program", "pad_token_id", "cache_dtype",
-                                    "return_logits"))
-def _generate_batch(graphdef, state, prompt_tokens: Array, prompt_mask: Array, key: Array,
-                    temperature: Array, top_p: Array, stop_ids: Array, *, program: _Program,
-                    pad_token_id: int, cache_dtype, return_logits: bool) -> dict[str, Array]:
-    """Prefill B left-padded prompts, then decode `max_new_tokens` for each of their n samples.
-
-    prompt_tokens, prompt_mask [B, P] (mask 1 on real tokens, left padding 0).
-    Returns tokens/logprobs/raw_logprobs [B·n, max_new], lengths [B·n], stopped [B·n] and,
-    with `return_logits`, the unprocessed logits of every step [B·n, max_new, V].
-    """
-    model = nnx.merge(graphdef, state)
-    chex.assert_equal_shape([prompt_tokens, prompt_mask])
-    n, max_new = program.n, program.max_new_tokens
-    sample = functools.partial(sample_step, greedy=program.greedy, top_k=program.top_k,
-                               use_top_p=program.use_top_p)
-    batch, prompt_len = prompt_tokens.shape
-    mask = prompt_mask.astype(jnp.int32)
-    segment_ids = mask  # left padding has segment id 0 and is never attended to
-    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-
-    # Prefill each prompt once, then give each of its n samples a copy of its cache: the n
-    # samples of a prompt are adjacent rows (prompt-major order).
-    cache = model.init_cache(batch, prompt_len + max_new, cache_dtype)
-    hidden, cache = model(prompt_tokens, positions=positions, segment_ids=segment_ids,
-                          cache=cache)
-    cache = _repeat_rows(cache, n)
-    logits = jnp.repeat(_last_logits(model, hidden), n, axis=0)
-    next_position = jnp.repeat(positions[:, -1] + 1, n, axis=0)
-    rows = batch * n
-    key, first_key = jax.random.split(key)
-    token, lp, raw_lp = sample(first_key, logits, temperature, top_p)
-
-    out = dict(
-        tokens=jnp.full((rows, max_new), pad_token_id, jnp.int32).at[:, 0].set(token),
-        logprobs=jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(lp),
-        raw_logprobs=jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(raw_lp),
-    )
-    if return_logits:
-        out["logits"] = jnp.zeros((rows, max_new, logits.shape[-1]), jnp.float32)
-        out["logits"] = out["logits"].at[:, 0].set(logits)
-    state0 = dict(step=jnp.int32(1), cache=cache, last=token, key=key,
-                  stopped=jnp.isin(token, stop_ids), lengths=jnp.ones((rows,), jnp.int32))
-
-    def cond(carry):
-        loop, _ = carry
-        return (loop["step"] < max_new) & ~jnp.all(loop["stopped"])
-
-    def body(carry):
-        loop, out = carry
-        step = loop["step"]
-        pos = (next_position + step - 1)[:, None]
-        hidden, cache = model(loop["last"][:, None], positions=pos,
-                              segment_ids=jnp.ones_like(pos), cache=loop["cache"])
-        logits = _last_logits(model, hidden)
-        key, step_key = jax.random.split(loop["key"])
-        token, lp, raw_lp = sample(step_key, logits, temperature, top_p)
-        live = ~loop["stopped"]
-        token = jnp.where(live, token, pad_token_id)
-        # Write column `step` in place (the buffers are loop-carried, so XLA updates them).
-        write = lambda buf, col: jax.lax.dynamic_update_slice(
-            buf, col[:, None].astype(buf.dtype), (0, step) + (0,) * (buf.ndim - 2))
-        out = dict(out, tokens=write(out["tokens"], token),
-                   logprobs=write(out["logprobs"], jnp.where(live, lp, 0.0)),
-                   raw_logprobs=write(out["raw_logprobs"], jnp.where(live, raw_lp, 0.0)))
-        if return_logits:
-            out["logits"] = write(out["logits"], logits)
-        loop = dict(step=step + 1, cache=cache, last=token, key=key,
-                    stopped=loop["stopped"] | (live & jnp.isin(token, stop_ids)),
-                    lengths=loop["lengths"] + live.astype(jnp.int32))
-        return loop, out
-
-    loop, out = jax.lax.while_loop(cond, body, (state0, out))
-    return dict(out, lengths=loop["lengths"], stopped=loop["stopped"])
-
-
 # ---- Python-level driver --------------------------------------------------------------------
 
 
@@ -281,12 +130,24 @@ class Sampler:
 
     batch_size: prompts per compiled batch (rows = batch_size · n); the last batch is padded.
     prompt_buckets: allowed padded prompt lengths (sorted); None = powers of two ≥ 16.
+    segment_steps: with stop tokens, decode runs in segments of this many steps (default
+        max(8, max_new_tokens / 8)); after a segment, once at most half the rows are still
+        running, only those rows (padded to a power of two ≥ `min_rows`) go on, so finished
+        rows stop costing compute (`models.decode_program`: the samples do not change).
     """
 
     def __init__(self, model: Any, *, pad_token_id: int = 0, batch_size: int = 8,
-                 prompt_buckets: Sequence[int] | None = None, cache_dtype: Any = None):
+                 prompt_buckets: Sequence[int] | None = None, cache_dtype: Any = None,
+                 segment_steps: int | None = None, min_rows: int = 4):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if segment_steps is not None and segment_steps < 1:
+            raise ValueError(f"segment_steps={segment_steps} must be >= 1")
+        if min_rows < 1:
+            raise ValueError(f"min_rows={min_rows} must be >= 1")
+        self.segment_steps = segment_steps
+        self.min_rows = int(min_rows)
+        self.rows_decoded = 0  # Σ over decode steps of the rows computed (reported, tested)
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.batch_size = int(batch_size)
@@ -303,6 +164,47 @@ class Sampler:
             f"prompt of {length} tokens is longer than the largest prompt bucket "
             f"{self.prompt_buckets[-1]} (prompts are never truncated; add a larger bucket)"
         )
+
+    def _decode(self, carry: dict, params: SamplingParams, args: tuple,
+                static: dict) -> dict[str, np.ndarray]:
+        """Run the decode segments of one prompt batch; its outputs, one row per sample."""
+        rows0 = self.batch_size * params.n
+        max_new = params.max_new_tokens
+        segment = max_new if not params.stop_token_ids else (
+            self.segment_steps or max(8, math.ceil(max_new / 8)))
+        current = np.arange(rows0)  # the original row of each row still in the carry
+        host: dict[str, np.ndarray] = {}
+        step = 1
+        while step < max_new:
+            until = min(step + segment, max_new)
+            carry = decode_segment(*args[:2], carry, jnp.int32(until), *args[2:], **static,
+                                   total_rows=rows0)
+            stopped = np.asarray(carry["loop"]["stopped"])
+            self.rows_decoded += len(current) * (int(carry["loop"]["step"]) - step)
+            step = int(carry["loop"]["step"])
+            if step >= max_new or stopped.all():
+                break
+            live = np.flatnonzero(~stopped)
+            size = max(self.min_rows, 1 << max(0, math.ceil(math.log2(len(live)))))
+            if size <= len(current) // 2:
+                self._collect(carry, current, host)  # the finished rows are final
+                # Pad with finished rows: they stay stopped and rewrite their own outputs.
+                keep = np.concatenate([live, np.flatnonzero(stopped)[: size - len(live)]])
+                carry = select_rows(carry, jnp.asarray(keep, jnp.int32))
+                current = current[keep]
+        self._collect(carry, current, host)
+        return host
+
+    @staticmethod
+    def _collect(carry: dict, current: np.ndarray, host: dict[str, np.ndarray]) -> None:
+        """Copy the carry's per-row outputs into `host` (rows indexed by original row)."""
+        buffers = dict(carry["out"], lengths=carry["loop"]["lengths"],
+                       stopped=carry["loop"]["stopped"])
+        for name, value in buffers.items():
+            value = np.asarray(value)
+            if name not in host:  # the first call sees every row (nothing selected yet)
+                host[name] = np.zeros_like(value)
+            host[name][current] = value
 
     def _cache_dtype(self):
         if self.cache_dtype is not None:
@@ -350,13 +252,15 @@ class Sampler:
             # Padding prompts (last batch) are one real token so every row is well defined.
             tokens[len(chunk):, -1] = self.pad_token_id
             mask[len(chunk):, -1] = 1
-            out = _generate_batch(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
-                                  jax.random.fold_in(key, batch_index), temperature, top_p,
-                                  stop_ids, program=_Program.of(params),
-                                  pad_token_id=self.pad_token_id, cache_dtype=cache_dtype,
-                                  return_logits=return_logits)
+            static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
+                          cache_dtype=cache_dtype, return_logits=return_logits)
+            carry = prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
+                            jax.random.fold_in(key, batch_index), temperature, top_p,
+                            stop_ids, **static)
+            out = self._decode(carry, params, (graphdef, state, temperature, top_p, stop_ids),
+                               static)
             keep = len(chunk) * params.n
-            pieces.append({k: np.asarray(v)[:keep] for k, v in out.items()})
+            pieces.append({k: v[:keep] for k, v in out.items()})
         merged = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
         count = len(prompts) * params.n
         return GenerationOutput(

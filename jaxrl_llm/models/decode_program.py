@@ -1,0 +1,222 @@
+"""The compiled programs behind `models.sampler.Sampler`: prefill, a decode segment, and the
+row selection that drops finished rows between segments.
+
+A prompt batch is prefilled once (`prefill`); its n samples per prompt then share that prefill
+(each prompt's cache rows are repeated n times). Decoding runs in segments
+(`decode_segment`: a `lax.while_loop` up to a given step, exiting early when every row has
+stopped). Between segments the driver may keep only the rows still running (`select_rows`,
+a gather along the row axis of the cache and of every loop buffer), so finished rows stop
+costing compute. Sampling is invariant under that selection: a row's Gumbel noise is taken
+from a draw for the whole original batch at its original row index, i.e. each token is
+`argmax(processed_logits + gumbel(step_key, [rows₀, V])[row])`, which is exactly
+`jax.random.categorical(step_key, processed_logits)` of the full batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm.models.decoder import KVCache
+
+Array = jax.Array
+Carry = dict[str, Any]  # {"loop": per-row decode state, "out": the output buffers}
+
+
+def process_logits(logits: Array, temperature: Array, top_p: Array, *, top_k: int,
+                   use_top_p: bool) -> Array:
+    """Temperature, then top-k, then top-p (HF/vLLM order). Removed tokens get -inf.
+
+    logits [B, V] float32; temperature > 0 and top_p traced scalars (no recompilation when
+    they change); top_k static (0 = off); `use_top_p` static (False skips the sort).
+    """
+    scaled = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    if use_top_p:
+        desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Keep token j (in descending order) while the mass before it is below top_p; the most
+        # likely token is always kept.
+        keep = (mass_before < top_p).at[:, 0].set(True)
+        cutoff_index = jnp.sum(keep, axis=-1, keepdims=True) - 1
+        cutoff = jnp.take_along_axis(desc, cutoff_index, axis=-1)
+        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    return scaled
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The parts of `SamplingParams` that change the compiled program (temperature, top_p
+    values and stop ids are traced, so changing them does not recompile)."""
+
+    max_new_tokens: int
+    n: int
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+
+    @classmethod
+    def of(cls, params: Any) -> Program:
+        return cls(params.max_new_tokens, params.n, params.greedy, params.top_k,
+                   params.top_p < 1.0)
+
+
+def sample_step(key: Array, logits: Array, temperature: Array, top_p: Array, row_ids: Array,
+                total_rows: int, *, greedy: bool, top_k: int,
+                use_top_p: bool) -> tuple[Array, Array, Array]:
+    """One token per row and its (processed, raw) log-probs. logits [B, V] -> 3 × [B].
+
+    row_ids [B]: each row's index in the batch of `total_rows` it was sampled in first (the
+    noise is drawn for that batch: the module docstring's selection invariance)."""
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        raw_lp = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0]
+        return token, jnp.zeros_like(raw_lp), raw_lp
+    processed = process_logits(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
+    noise = jax.random.gumbel(key, (total_rows, logits.shape[-1]), jnp.float32)[row_ids]
+    token = jnp.argmax(processed + noise, axis=-1).astype(jnp.int32)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1), token[:, None], axis=-1)
+    raw = jax.nn.log_softmax(logits / temperature, axis=-1)
+    raw_lp = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0]
+    return token, lp[:, 0], raw_lp
+
+
+def _last_logits(model: Any, hidden: Array) -> Array:
+    """Logits [B, V] of the last position (prompts are left-padded: it is the last real one)."""
+    return model.logits(hidden[:, -1:, :])[:, 0, :].astype(jnp.float32)
+
+
+def _map_rows(cache: KVCache, fn) -> KVCache:
+    """`fn(array, axis)` applied to every per-row buffer of the cache (in each k/v buffer,
+    stacked or per layer, the row axis is the fourth from the end)."""
+    return cache.replace(
+        k=jax.tree.map(lambda a: fn(a, a.ndim - 4), cache.k),
+        v=jax.tree.map(lambda a: fn(a, a.ndim - 4), cache.v),
+        segment_ids=fn(cache.segment_ids, 0),
+        positions=fn(cache.positions, 0),
+        lengths=fn(cache.lengths, 0),
+    )
+
+
+def _layer_params(model: Any) -> dict[str, Any]:
+    """Fused q/k/v and gate/up weights (`Decoder.decode_layer_params`), built once per call:
+    loop-invariant inputs of every step."""
+    if not hasattr(model, "decode_layer_params"):
+        return {}
+    return dict(layer_params=model.decode_layer_params())
+
+
+_STATIC = ("graphdef", "program", "pad_token_id", "cache_dtype", "return_logits")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def prefill(graphdef, state, prompt_tokens: Array, prompt_mask: Array, key: Array,
+            temperature: Array, top_p: Array, stop_ids: Array, *, program: Program,
+            pad_token_id: int, cache_dtype, return_logits: bool) -> Carry:
+    """Prefill B left-padded prompts once and sample the first token of each of their n
+    samples (prompt-major rows). prompt_tokens, prompt_mask [B, P] (mask 0 on left padding).
+
+    Returns the carry: "loop" (step, cache, last token, key, stopped, lengths, next position,
+    row_ids) and "out" (tokens / logprobs / raw_logprobs [B·n, max_new] and, with
+    `return_logits`, every step's unprocessed logits [B·n, max_new, V])."""
+    model = nnx.merge(graphdef, state)
+    chex.assert_equal_shape([prompt_tokens, prompt_mask])
+    n, max_new = program.n, program.max_new_tokens
+    batch, prompt_len = prompt_tokens.shape
+    mask = prompt_mask.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+    cache = model.init_cache(batch, prompt_len + max_new, cache_dtype)
+    # Left padding has segment id 0 and is never attended to.
+    hidden, cache = model(prompt_tokens, positions=positions, segment_ids=mask, cache=cache,
+                          **_layer_params(model))
+    cache = _map_rows(cache, lambda a, axis: jnp.repeat(a, n, axis=axis))
+    logits = jnp.repeat(_last_logits(model, hidden), n, axis=0)
+    rows = batch * n
+    row_ids = jnp.arange(rows, dtype=jnp.int32)
+    key, first_key = jax.random.split(key)
+    token, lp, raw_lp = sample_step(first_key, logits, temperature, top_p, row_ids, rows,
+                                    greedy=program.greedy, top_k=program.top_k,
+                                    use_top_p=program.use_top_p)
+    out = dict(
+        tokens=jnp.full((rows, max_new), pad_token_id, jnp.int32).at[:, 0].set(token),
+        logprobs=jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(lp),
+        raw_logprobs=jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(raw_lp),
+    )
+    if return_logits:
+        out["logits"] = jnp.zeros((rows, max_new, logits.shape[-1]), jnp.float32)
+        out["logits"] = out["logits"].at[:, 0].set(logits)
+    loop = dict(step=jnp.int32(1), cache=cache, last=token, key=key,
+                stopped=jnp.isin(token, stop_ids), lengths=jnp.ones((rows,), jnp.int32),
+                next_position=jnp.repeat(positions[:, -1] + 1, n, axis=0), row_ids=row_ids)
+    return dict(loop=loop, out=out)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "total_rows"),
+                   donate_argnames=("carry",))
+def decode_segment(graphdef, state, carry: Carry, until: Array, temperature: Array,
+                   top_p: Array, stop_ids: Array, *, program: Program, pad_token_id: int,
+                   cache_dtype, return_logits: bool, total_rows: int) -> Carry:
+    """Decode steps `carry.loop.step .. until-1` (or until every row has stopped). Finished
+    rows emit `pad_token_id` with log-probs 0; a row's length counts its stop token.
+    total_rows: the prefill's row count (B·n), which the sampling noise is drawn for."""
+    del cache_dtype  # the cache in the carry has it
+    model = nnx.merge(graphdef, state)
+    layer_params = _layer_params(model)
+    sample = functools.partial(sample_step, greedy=program.greedy, top_k=program.top_k,
+                               use_top_p=program.use_top_p)
+
+    def cond(state_):
+        loop, _ = state_
+        return (loop["step"] < until) & ~jnp.all(loop["stopped"])
+
+    def body(state_):
+        loop, out = state_
+        step = loop["step"]
+        pos = (loop["next_position"] + step - 1)[:, None]
+        hidden, cache = model(loop["last"][:, None], positions=pos,
+                              segment_ids=jnp.ones_like(pos), cache=loop["cache"],
+                              **layer_params)
+        logits = _last_logits(model, hidden)
+        key, step_key = jax.random.split(loop["key"])
+        token, lp, raw_lp = sample(step_key, logits, temperature, top_p, loop["row_ids"],
+                                   total_rows)
+        live = ~loop["stopped"]
+        token = jnp.where(live, token, pad_token_id)
+        # Write column `step` in place (the buffers are loop-carried, so XLA updates them).
+        write = lambda buf, col: jax.lax.dynamic_update_slice(
+            buf, col[:, None].astype(buf.dtype), (0, step) + (0,) * (buf.ndim - 2))
+        out = dict(out, tokens=write(out["tokens"], token),
+                   logprobs=write(out["logprobs"], jnp.where(live, lp, 0.0)),
+                   raw_logprobs=write(out["raw_logprobs"], jnp.where(live, raw_lp, 0.0)))
+        if return_logits:
+            out["logits"] = write(out["logits"], logits)
+        loop = dict(loop, step=step + 1, cache=cache, last=token, key=key,
+                    stopped=loop["stopped"] | (live & jnp.isin(token, stop_ids)),
+                    lengths=loop["lengths"] + live.astype(jnp.int32))
+        return loop, out
+
+    loop, out = jax.lax.while_loop(cond, body, (carry["loop"], carry["out"]))
+    return dict(loop=loop, out=out)
+
+
+@jax.jit
+def select_rows(carry: Carry, rows: Array) -> Carry:
+    """Keep rows `rows` [R'] (indices into the carry's current rows) of every per-row buffer:
+    the cache, the loop state and the outputs."""
+    take = lambda a, axis: jnp.take(a, rows, axis=axis)
+    loop = carry["loop"]
+    per_row = ("last", "stopped", "lengths", "next_position", "row_ids")
+    loop = dict(loop, cache=_map_rows(loop["cache"], take),
+                **{name: take(loop[name], 0) for name in per_row})
+    return dict(loop=loop, out={name: take(buf, 0) for name, buf in carry["out"].items()})
