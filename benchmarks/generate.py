@@ -8,7 +8,14 @@ each framework's own loader (ours: `jaxrl_llm.models.gguf.load_gguf`; PyTorch:
 `--runs` runs alternating ours / PyTorch (fair under a changing machine load); the median wall
 time gives tokens/s = batch × new tokens / time (prefill included for both).
 
+`--eos` adds what RL generation does: sampling at temperature 1 (no top-k/top-p) until EOS,
+at most 256 tokens, from 32 short chat questions. Tokens/s there counts the completions'
+tokens (up to and including EOS) over the wall time. transformers keeps computing rows that
+have finished until the last one ends; our sampler drops them between decode segments (a
+third column runs ours without dropping them: same samples, so the time ratio is exact).
+
     python benchmarks/generate.py                 # batch 1 and 32, 128 new tokens, 5 runs
+    python benchmarks/generate.py --batch-sizes 32 --eos --runs 3
     python benchmarks/generate.py --batch-sizes 32 --runs 3
     python benchmarks/generate.py --gpu           # on a GPU: both in bf16, PyTorch with sdpa
 
@@ -39,6 +46,10 @@ from jaxrl_llm.models.sampler import Sampler, SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 7 times 8?",
+             "Say hello in Spanish.", "What animal says moo?", "Give one synonym for happy.",
+             "How many legs does a spider have?", "What is the opposite of cold?"]
+EOS_MAX_NEW = 256
 
 
 def _interleaved_median_times(fns: dict, runs: int) -> tuple[dict, dict, dict]:
@@ -66,6 +77,35 @@ def ours_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: 
     return run
 
 
+def ours_eos_runner(model, prompts: list[list[int]], eos: int, pad: int, drop_finished: bool):
+    """T = 1 until EOS; without `drop_finished` one decode segment keeps every row."""
+    sampler = Sampler(model, pad_token_id=pad, batch_size=len(prompts),
+                      segment_steps=None if drop_finished else EOS_MAX_NEW)
+    params = SamplingParams(max_new_tokens=EOS_MAX_NEW, temperature=1.0, stop_token_ids=(eos,))
+    return lambda: sampler.generate(prompts, params, jax.random.key(0)).lengths
+
+
+def torch_eos_runner(model, prompts: list[list[int]], eos: int, pad: int):
+    import torch
+
+    width = max(map(len, prompts))  # left-padded, as generate expects for decoder-only models
+    inputs = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                             device=model.device)
+
+    def run():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = model.generate(inputs, attention_mask=attention, max_new_tokens=EOS_MAX_NEW,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 eos_token_id=eos, pad_token_id=pad)
+        completion = out[:, width:].cpu().numpy()
+        ended = completion == eos
+        return np.where(ended.any(1), ended.argmax(1) + 1, completion.shape[1])
+
+    return run
+
+
 def torch_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: int):
     import torch
 
@@ -85,11 +125,14 @@ def _write(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
     table = [
-        "| batch | new tokens | ours tok/s | transformers tok/s | speedup | load avg |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | new tokens | ours tok/s | transformers tok/s | speedup | ours, finished "
+        "rows kept | load avg |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
         *(f"| {r['batch']} | {r['new_tokens']} | {r['ours_tokens_per_s']:.1f} | "
           f"{r['torch_tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
-          f"{r['load_average'][0]:.0f}–{r['load_average'][1]:.0f} |" for r in rows),
+          + (f"{r['ours_all_rows_tokens_per_s']:.1f} |" if "ours_all_rows_tokens_per_s" in r
+             else "— |")
+          + f" {r['load_average'][0]:.0f}–{r['load_average'][1]:.0f} |" for r in rows),
     ]
     markdown = (f"# Decode throughput ({meta['benchmark']})\n\n"
                 f"Median of {args.runs} runs after warm-up; PyTorch {args.threads} threads; "
@@ -106,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None,
                         help="default: results/generate.json (generate_gpu.json with --gpu)")
+    parser.add_argument("--eos", action="store_true",
+                        help="also sample at T = 1 until EOS (≤ 256 tokens), 32 questions")
     parser.add_argument("--gpu", action="store_true",
                         help="JAX and PyTorch on the GPU, bf16 (PyTorch attention: sdpa)")
     args = parser.parse_args(argv)
@@ -158,7 +203,39 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['torch_tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, "
               f"greedy agreement {agree:.2f}", flush=True)
         _write(args, meta, rows)  # after every batch size, so a long run keeps its results
+    if args.eos:
+        rows.append(_eos_row(args, ours.model, torch_model, tok))
+        _write(args, meta, rows)
     return 0
+
+
+def _eos_row(args: argparse.Namespace, model, torch_model, tok) -> dict:
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True))["input_ids"]
+               for q in QUESTIONS] * 4
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    fns = dict(ours=ours_eos_runner(model, prompts, eos, pad, drop_finished=True),
+               ours_all_rows=ours_eos_runner(model, prompts, eos, pad, drop_finished=False),
+               torch=torch_eos_runner(torch_model, prompts, eos, pad))
+    load_before = os.getloadavg()[0]
+    medians, times, lengths = _interleaved_median_times(fns, args.runs)
+    assert np.array_equal(lengths["ours"], lengths["ours_all_rows"])  # same samples
+    rate = {k: float(np.sum(lengths[k])) / medians[k] for k in fns}
+    row = dict(batch=len(prompts), new_tokens=f"T=1 to EOS (≤{EOS_MAX_NEW})",
+               ours_seconds=medians["ours"], torch_seconds=medians["torch"],
+               ours_all_rows_seconds=medians["ours_all_rows"],
+               ours_tokens_per_s=rate["ours"], torch_tokens_per_s=rate["torch"],
+               ours_all_rows_tokens_per_s=rate["ours_all_rows"],
+               speedup=rate["ours"] / rate["torch"],
+               dropping_finished_rows_speedup=medians["ours_all_rows"] / medians["ours"],
+               ours_lengths=lengths["ours"].tolist(), torch_lengths=lengths["torch"].tolist(),
+               ours_runs=times["ours"], torch_runs=times["torch"],
+               ours_all_rows_runs=times["ours_all_rows"],
+               load_average=[load_before, os.getloadavg()[0]])
+    print(f"T=1 to EOS: ours {rate['ours']:.1f} tok/s ({rate['ours_all_rows']:.1f} keeping "
+          f"finished rows), transformers {rate['torch']:.1f} tok/s, speedup "
+          f"{row['speedup']:.2f}x", flush=True)
+    return row
 
 
 if __name__ == "__main__":

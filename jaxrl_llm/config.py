@@ -181,6 +181,9 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0)
     decay_steps: int | None = Field(None, gt=0, description="cosine decay length; default train.steps")
     end_lr_ratio: float = Field(0.0, ge=0, le=1)
+    # AdamW's first moment in bfloat16 (optax `mu_dtype`): halves its memory; a precision
+    # trade-off (8 mantissa bits for a running average), so float32 unless asked for.
+    mu_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class MeshConfig(Section):

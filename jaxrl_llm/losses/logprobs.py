@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.losses.vocab_chunks import (  # the kernels; this module checks and shapes
+    RowSharding,
     chunked_forward_kl_jit,
     chunked_logprobs_jit,
 )
@@ -134,6 +135,7 @@ def token_logprobs(
     return_entropy: bool = False,
     temperature: float | jax.Array = 1.0,
     softcap: float | None = None,
+    row_sharding: RowSharding | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Per-token log-probs `logπ_t = z_t[y_t] − logsumexp(z_t)` (docs/kernels.md § Token log-probs), chunked.
 
@@ -151,6 +153,8 @@ def token_logprobs(
       return_entropy: also return the per-token entropy `−Σ_v p_v log p_v` (with gradient).
       temperature: the sampling temperature τ (docs/architecture.md § Why μ is re-scored): `z ← z / τ`; may be traced.
       softcap: Gemma 2's final-logit soft-capping `z ← s·tanh(z / s)`, applied before τ.
+      row_sharding: on a mesh, how the `[V, d]` table is split over "fsdp" and how one chunk
+        of it is gathered (`vocab_chunks.RowSharding`); None lets GSPMD place it.
 
     Returns:
       `logp [B, T]` float32, or `(logp, entropy)` when `return_entropy`. Gradients flow to
@@ -165,7 +169,7 @@ def token_logprobs(
     coefs = jnp.reshape(1.0 / jnp.asarray(temperature, jnp.float32), (1,))
     terms = ((hidden.reshape(b * t, d), unembed.T),)
     logp, entropy = chunked_logprobs_jit(
-        terms, coefs, targets.reshape(b * t), int(chunk_size), softcap
+        terms, coefs, targets.reshape(b * t), int(chunk_size), softcap, row_sharding
     )
     chex.assert_shape((logp, entropy), (b * t,))
     logp = logp.reshape(b, t)
@@ -183,6 +187,7 @@ def extrapolated_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float | jax.Array = 1.0,
     softcap: float | None = None,
+    row_sharding: RowSharding | None = None,
 ) -> jax.Array:
     """FPA's extrapolated log-probs `log π̂_t = z_t[y_t] − logsumexp(z_t)` (FPA eq. 4).
 
@@ -201,7 +206,7 @@ def extrapolated_logprobs(
       ref_hidden, ref_unembed: the frozen reference model's `[B,T,d_ref]` and `[d_ref,V]`.
       targets: token ids `[B, T]` in `[0, V)`.
       lam: extrapolation strength λ ≥ 0 (may be traced, e.g. a schedule value).
-      chunk_size, temperature, softcap: as in `token_logprobs`.
+      chunk_size, temperature, softcap, row_sharding: as in `token_logprobs`.
     Returns:
       `logp_hat [B, T]` float32.
     """
@@ -212,7 +217,8 @@ def extrapolated_logprobs(
     if not isinstance(lam, jax.core.Tracer) and float(lam) == 0.0:
         # π̂ = π at λ = 0: skip the reference model's matmuls (and match token_logprobs bitwise).
         return token_logprobs(hidden, unembed, targets, chunk_size=chunk_size,
-                              temperature=temperature, softcap=softcap)
+                              temperature=temperature, softcap=softcap,
+                              row_sharding=row_sharding)
     b, t, d = hidden.shape
     inv_tau = 1.0 / jnp.asarray(temperature, jnp.float32)
     lam = jnp.asarray(lam, jnp.float32)
@@ -221,7 +227,8 @@ def extrapolated_logprobs(
         (hidden.reshape(b * t, d), unembed.T),
         (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed.T),
     )
-    logp, _ = chunked_logprobs_jit(terms, coefs, targets.reshape(b * t), int(chunk_size), softcap)
+    logp, _ = chunked_logprobs_jit(terms, coefs, targets.reshape(b * t), int(chunk_size), softcap,
+                                   row_sharding)
     return logp.reshape(b, t)
 
 
@@ -234,6 +241,7 @@ def token_forward_kl_chunked(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float | jax.Array = 1.0,
     softcap: float | None = None,
+    row_sharding: RowSharding | None = None,
 ) -> jax.Array:
     """Exact per-token forward KL `KL(π_ref ‖ π_θ)_t = Σ_v q_t,v (log q_t,v − log p_t,v)`.
 
@@ -252,7 +260,8 @@ def token_forward_kl_chunked(
       hidden, unembed: the trained policy's `[B,T,d]` and `[d,V]` (same dtype).
       ref_hidden, ref_unembed: the reference model's `[B,T,d_ref]` and `[d_ref,V]`; the hidden
         size may differ, the vocabulary may not.
-      chunk_size, temperature, softcap: as in `token_logprobs` (applied to both models).
+      chunk_size, temperature, softcap, row_sharding: as in `token_logprobs` (applied to
+        both models).
     Returns:
       `kl [B, T]` float32, clamped at 0 against fp32 rounding.
     """
@@ -265,6 +274,6 @@ def token_forward_kl_chunked(
     ref = jax.lax.stop_gradient(
         (ref_hidden.reshape(b * t, ref_hidden.shape[-1]), ref_unembed.T)
     )
-    kl = chunked_forward_kl_jit(policy, ref, coefs, int(chunk_size), softcap)
+    kl = chunked_forward_kl_jit(policy, ref, coefs, int(chunk_size), softcap, row_sharding)
     chex.assert_shape(kl, (b * t,))
     return kl.reshape(b, t)

@@ -37,6 +37,7 @@ from jaxrl_llm.losses.logprobs import (
 )
 from jaxrl_llm.losses.registry import LossSpec, loss_spec
 from jaxrl_llm.losses.types import LossOutput
+from jaxrl_llm.losses.vocab_chunks import RowSharding
 
 
 def temperature(config: ExperimentConfig) -> float:
@@ -94,6 +95,7 @@ class _Inputs:
     ref_unembed: jax.Array | None
     softcap: float | None
     advantages: jax.Array | None
+    row_sharding: RowSharding | None = None
 
 
 def compute_loss(
@@ -106,6 +108,7 @@ def compute_loss(
     ref_unembed: jax.Array | None = None,
     softcap: float | None = None,
     advantages: jax.Array | None = None,
+    row_sharding: RowSharding | None = None,
 ) -> LossOutput:
     """The configured loss of `batch` given the policy's `hidden [B,T,d]` and `unembed [d,V]`.
 
@@ -113,6 +116,8 @@ def compute_loss(
     `stop_gradient`): required for FPA, and for the reference-log-prob losses when
     `train.ref_logprobs: model`; otherwise those losses read `batch.ref_logprobs`.
     The loss's family (`losses.registry`) selects the binding of batch fields to its kernel.
+    `row_sharding` (on a mesh): the unembeddings stay FSDP-split and are gathered one
+    vocabulary chunk at a time (`losses.vocab_chunks.RowSharding`).
     """
     lc = config.loss
     spec = loss_spec(lc.name)
@@ -134,17 +139,19 @@ def compute_loss(
             return per_record(batch.ref_logprobs)
         return per_record(jax.lax.stop_gradient(
             token_logprobs(ref_hidden, ref_unembed, batch.targets, chunk_size=chunk,
-                           temperature=tau, softcap=softcap)
+                           temperature=tau, softcap=softcap, row_sharding=row_sharding)
         ))
 
     logp = per_record(token_logprobs(
-        hidden, unembed, batch.targets, chunk_size=chunk, temperature=tau, softcap=softcap
+        hidden, unembed, batch.targets, chunk_size=chunk, temperature=tau, softcap=softcap,
+        row_sharding=row_sharding,
     ))
     logmu = per_record(
         batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
     )
     inputs = _Inputs(config, batch, logp, logmu, per_record(batch.loss_mask), ref_logp,
-                     per_record, hidden, unembed, ref_hidden, ref_unembed, softcap, advantages)
+                     per_record, hidden, unembed, ref_hidden, ref_unembed, softcap, advantages,
+                     row_sharding)
     return _BINDINGS[spec.family](spec, inputs)
 
 
@@ -200,7 +207,7 @@ def _off_rl(spec: LossSpec, x: _Inputs) -> LossOutput:
             )
         token_kl = x.per_record(token_forward_kl_chunked(
             x.hidden, x.unembed, x.ref_hidden, x.ref_unembed, chunk_size=lc.logprob_chunk_size,
-            temperature=temperature(x.config), softcap=x.softcap,
+            temperature=temperature(x.config), softcap=x.softcap, row_sharding=x.row_sharding,
         ))
     return spec.kernel(
         x.logp, x.ref_logp(), x.mask, b.rewards, tau=lc.kl_tau, token_kl=token_kl,
@@ -217,6 +224,7 @@ def _fpa(spec: LossSpec, x: _Inputs) -> LossOutput:
         jax.lax.stop_gradient(x.hidden), jax.lax.stop_gradient(x.unembed),
         x.ref_hidden, x.ref_unembed, b.targets, lam=lc.fpa_lambda,
         chunk_size=lc.logprob_chunk_size, temperature=temperature(x.config), softcap=x.softcap,
+        row_sharding=x.row_sharding,
     )
     return spec.kernel(
         x.logp, x.per_record(jax.lax.stop_gradient(logp_hat)), x.mask, b.rewards,

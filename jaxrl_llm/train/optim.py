@@ -2,7 +2,8 @@
 
 - Adafactor: TOPR's choice (TOPR arXiv:2503.14286 §4.3); optax's T5X-style defaults (factored second moment,
   update clipping at RMS 1, parameter-scale multiplication off so `learning_rate` is the step).
-- AdamW: FPA's (FPA arXiv:2509.19893 App. B), decoupled weight decay.
+- AdamW: FPA's (FPA arXiv:2509.19893 App. B), decoupled weight decay; `mu_dtype: bfloat16`
+  stores the first moment in bf16 (half its memory, at bf16's precision), float32 by default.
 - SGD: for tests and ablations.
 
 Schedules: `constant`, `warmup_constant` (linear 0 → lr over `warmup_steps`, then flat) and
@@ -47,8 +48,15 @@ def make_optimizer(
     """(transformation, schedule). The transformation expects fp32 (master) gradients."""
     schedule = make_schedule(config, total_steps)
     wd = config.weight_decay
+    if config.mu_dtype != "float32" and config.name != "adamw":
+        raise ConfigError(
+            f"optim.mu_dtype={config.mu_dtype} applies to AdamW's first moment only; "
+            f"optim.name={config.name}: leave optim.mu_dtype at float32"
+        )
     if config.name == "adamw":
-        core = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=wd)
+        # mu_dtype: the moment is stored in it; optax computes its update in float32.
+        core = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=wd,
+                           mu_dtype=config.mu_dtype)
     elif config.name == "adafactor":
         core = optax.adafactor(
             learning_rate=schedule,

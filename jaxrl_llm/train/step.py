@@ -44,6 +44,7 @@ from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch, token_record_mask
 from jaxrl_llm.losses.registry import LOSS_SPECS, loss_spec
 from jaxrl_llm.losses.types import LossOutput
+from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.models.attention import attention_mesh
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree
@@ -55,16 +56,49 @@ from jaxrl_llm.train.state import TrainState, cast_to_dtypes, needs_reference_mo
 Metrics = dict[str, jax.Array]
 
 
+def _vocab_axis(mesh: Mesh, vocab: int) -> str | None:
+    return "tensor" if vocab % mesh.shape["tensor"] == 0 else None
+
+
+def unembed_row_sharding(mesh: Mesh | None, unembed_shape: tuple[int, ...]) -> RowSharding | None:
+    """FSDP layout of the log-prob kernel's table (rows [V, d], d split over "fsdp", one
+    vocabulary chunk gathered at a time), or None where the whole-table gather of `forward`
+    applies instead: no mesh, no FSDP split of d, or vocab split over "tensor"."""
+    if mesh is None or mesh.shape["fsdp"] == 1 or unembed_shape[0] % mesh.shape["fsdp"]:
+        return None
+    if mesh.shape["tensor"] > 1 and _vocab_axis(mesh, unembed_shape[1]) is not None:
+        return None
+    return RowSharding(mesh, "fsdp")
+
+
+def gather_unembedding(unembed: jax.Array, mesh: Mesh) -> jax.Array:
+    """The unembedding [d, V] all-gathered over "fsdp" (vocab stays split over "tensor")."""
+    spec = P(None, _vocab_axis(mesh, unembed.shape[1]))
+    return jax.lax.with_sharding_constraint(unembed, NamedSharding(mesh, spec))
+
+
+def _for_kernel(unembed: jax.Array, mesh: Mesh | None):
+    """(unembedding, RowSharding or None) for the log-prob kernel: kept FSDP-split when
+    `unembed_row_sharding` allows it, else gathered whole as `forward` does by default."""
+    rows = unembed_row_sharding(mesh, unembed.shape)
+    if rows is None and mesh is not None:
+        unembed = gather_unembedding(unembed, mesh)
+    return unembed, rows
+
+
 def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: jax.Array,
-            positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None):
+            positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None,
+            *, gather_unembed: bool = True):
     """(hidden [B,T,d], unembedding [d,V], final-logit softcap) of the model on token rows
     `inputs [B,T]` with their `positions` and `segment_ids` (a `Batch`'s fields of those names).
 
-    With a mesh, hidden states are pinned to batch sharding and the unembedding is
-    all-gathered over "fsdp" (vocab stays split over "tensor"): otherwise GSPMD may contract
-    the FSDP-sharded d dimension of the log-prob matmul by resharding the activations,
-    which replicates every logit chunk over the batch (measured: 21.6 GiB of temporaries per
-    v5e chip for Llama-3-8B at 1 row per chip, vs MiB with the constraint).
+    With a mesh, hidden states are pinned to batch sharding and (`gather_unembed`) the
+    unembedding is all-gathered over "fsdp" (vocab stays split over "tensor"): otherwise
+    GSPMD may contract the FSDP-sharded d dimension of the log-prob matmul by resharding the
+    activations, which replicates every logit chunk over the batch (measured: 21.6 GiB of
+    temporaries per v5e chip for Llama-3-8B at 1 row per chip, vs MiB with the constraint).
+    The train step passes `gather_unembed=False` and gives the log-prob kernel an
+    `unembed_row_sharding` instead, which gathers one vocabulary chunk at a time.
     """
     model = nnx.merge(graphdef, params, model_state)
     with attention_mesh(mesh):  # fused attention kernels run per shard of this mesh
@@ -75,10 +109,8 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
         hidden = jax.lax.with_sharding_constraint(
             hidden, NamedSharding(mesh, P(BATCH_AXES, None, None))
         )
-        vocab_axis = "tensor" if unembed.shape[1] % mesh.shape["tensor"] == 0 else None
-        unembed = jax.lax.with_sharding_constraint(
-            unembed, NamedSharding(mesh, P(None, vocab_axis))
-        )
+        if gather_unembed:
+            unembed = gather_unembedding(unembed, mesh)
     return hidden, unembed, softcap
 
 
@@ -168,7 +200,9 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
         if use_ref:
             ref_params = jax.lax.stop_gradient(st.ref_params)
             ref_hidden, ref_unembed, _ = forward(st.graphdef, ref_params, st.model_state,
-                                                 mb.inputs, mb.positions, mb.segment_ids, mesh)
+                                                 mb.inputs, mb.positions, mb.segment_ids, mesh,
+                                                 gather_unembed=False)
+            ref_unembed, _ = _for_kernel(ref_unembed, mesh)
             ref_hidden = jax.lax.stop_gradient(ref_hidden)
             ref_unembed = jax.lax.stop_gradient(ref_unembed)
 
@@ -176,11 +210,13 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
             def loss_of(p):
                 hidden, unembed, softcap = forward(
                     st.graphdef, cast_to_dtypes(p, st.param_dtypes), st.model_state,
-                    b.inputs, b.positions, b.segment_ids, mesh,
+                    b.inputs, b.positions, b.segment_ids, mesh, gather_unembed=False,
                 )
+                unembed, rows = _for_kernel(unembed, mesh)
                 out: LossOutput = compute_loss(
                     config, b, hidden, unembed, ref_hidden=ref_hidden,
                     ref_unembed=ref_unembed, softcap=softcap, advantages=adv,
+                    row_sharding=rows,
                 )
                 return out.total, out
 
