@@ -93,6 +93,7 @@ def test_fused_projections_are_concatenations_and_lora_layers_stay_unfused():
     assert fuse_projections(p) is p
 
 
+@pytest.mark.slow  # ~15 s: keeps the default run under ten minutes
 def test_lora_model_samples_the_logits_of_its_full_forward():
     spec = LoraSpec(rank=2, alpha=4.0)
     config = DecoderConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_layers=2,
