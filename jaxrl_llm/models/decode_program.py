@@ -109,21 +109,26 @@ def _map_rows(cache: KVCache, fn) -> KVCache:
     )
 
 
-def _layer_params(model: Any) -> dict[str, Any]:
-    """Fused q/k/v and gate/up weights (`Decoder.decode_layer_params`), built once per call:
-    loop-invariant inputs of every step."""
-    if not hasattr(model, "decode_layer_params"):
-        return {}
-    return dict(layer_params=model.decode_layer_params())
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def fused_layer_params(graphdef, state) -> Any:
+    """The model's layer params with q/k/v and gate/up fused (`Decoder.decode_layer_params`),
+    or None for a model without them. Built once per `generate` call and passed to every
+    program below: loop-invariant inputs of every step."""
+    model = nnx.merge(graphdef, state)
+    return model.decode_layer_params() if hasattr(model, "decode_layer_params") else None
 
 
-_STATIC = ("graphdef", "program", "pad_token_id", "cache_dtype", "return_logits")
+def _layer_kwargs(layer_params: Any) -> dict[str, Any]:
+    return {} if layer_params is None else dict(layer_params=layer_params)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def prefill(graphdef, state, prompt_tokens: Array, prompt_mask: Array, key: Array,
-            temperature: Array, top_p: Array, stop_ids: Array, *, program: Program,
-            pad_token_id: int, cache_dtype, return_logits: bool) -> Carry:
+_STATIC = ("graphdef", "program", "pad_token_id", "return_logits")
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_dtype"))
+def prefill(graphdef, state, layer_params: Any, prompt_tokens: Array, prompt_mask: Array,
+            key: Array, temperature: Array, top_p: Array, stop_ids: Array, *,
+            program: Program, pad_token_id: int, cache_dtype, return_logits: bool) -> Carry:
     """Prefill B left-padded prompts once and sample the first token of each of their n
     samples (prompt-major rows). prompt_tokens, prompt_mask [B, P] (mask 0 on left padding).
 
@@ -139,7 +144,7 @@ def prefill(graphdef, state, prompt_tokens: Array, prompt_mask: Array, key: Arra
     cache = model.init_cache(batch, prompt_len + max_new, cache_dtype)
     # Left padding has segment id 0 and is never attended to.
     hidden, cache = model(prompt_tokens, positions=positions, segment_ids=mask, cache=cache,
-                          **_layer_params(model))
+                          **_layer_kwargs(layer_params))
     cache = _map_rows(cache, lambda a, axis: jnp.repeat(a, n, axis=axis))
     logits = jnp.repeat(_last_logits(model, hidden), n, axis=0)
     rows = batch * n
@@ -164,15 +169,14 @@ def prefill(graphdef, state, prompt_tokens: Array, prompt_mask: Array, key: Arra
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "total_rows"),
                    donate_argnames=("carry",))
-def decode_segment(graphdef, state, carry: Carry, until: Array, temperature: Array,
-                   top_p: Array, stop_ids: Array, *, program: Program, pad_token_id: int,
-                   cache_dtype, return_logits: bool, total_rows: int) -> Carry:
+def decode_segment(graphdef, state, layer_params: Any, carry: Carry, until: Array,
+                   temperature: Array, top_p: Array, stop_ids: Array, *, program: Program,
+                   pad_token_id: int, return_logits: bool, total_rows: int) -> Carry:
     """Decode steps `carry.loop.step .. until-1` (or until every row has stopped). Finished
     rows emit `pad_token_id` with log-probs 0; a row's length counts its stop token.
     total_rows: the prefill's row count (B·n), which the sampling noise is drawn for."""
-    del cache_dtype  # the cache in the carry has it
     model = nnx.merge(graphdef, state)
-    layer_params = _layer_params(model)
+    layer_kwargs = _layer_kwargs(layer_params)
     sample = functools.partial(sample_step, greedy=program.greedy, top_k=program.top_k,
                                use_top_p=program.use_top_p)
 
@@ -186,7 +190,7 @@ def decode_segment(graphdef, state, carry: Carry, until: Array, temperature: Arr
         pos = (loop["next_position"] + step - 1)[:, None]
         hidden, cache = model(loop["last"][:, None], positions=pos,
                               segment_ids=jnp.ones_like(pos), cache=loop["cache"],
-                              **layer_params)
+                              **layer_kwargs)
         logits = _last_logits(model, hidden)
         key, step_key = jax.random.split(loop["key"])
         token, lp, raw_lp = sample(step_key, logits, temperature, top_p, loop["row_ids"],

@@ -77,9 +77,9 @@ class KVCache:
     decode step (segment_ids = 1) gets the row's next position. The layouts are the ones
     `layers.cached_attention` multiplies without a transpose; with unrolled layers
     (`scan_layers=False`) k and v are tuples of L per-layer arrays [B, Hkv, D, S] / [B, Hkv,
-    S, D], so a layer reads its own buffer instead of copying a slice out of the stack. Writing past S is not checked
-    inside jit: the caller must keep index + T ≤ S. Attention always spans all S slots (static
-    shapes); k/v are updated with dynamic_update_slice, in place when the cache is a loop
+    S, D], so a layer reads its own buffer instead of copying a slice out of the stack.
+    Writing past S is not checked inside jit: the caller must keep index + T ≤ S. Attention
+    always spans all S slots (static shapes); k/v are updated with dynamic_update_slice, in place when the cache is a loop
     carry (`lax.while_loop` / `fori_loop`) or a donated jit argument.
     """
 
@@ -216,13 +216,19 @@ class Decoder(nnx.Module):
                          preferred_element_type=jnp.float32)
         return softcap(out, self.final_logit_softcap)
 
-    def decode_layer_params(self) -> Any:
-        """The layers' params with projections fused (`layers.fuse_projections`): build once
-        outside a decode loop and pass as `layer_params` to every step."""
+    def pure_layer_params(self) -> Any:
+        """The layers' pure params: one stacked dict (scanned) or a list of per-layer dicts."""
         if self.config.scan_layers:
-            return fuse_projections(nnx.to_pure_dict(nnx.state(self.layers, nnx.Param)))
-        return [fuse_projections(nnx.to_pure_dict(nnx.state(block, nnx.Param)))
-                for block in self.layers]
+            return nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+        return [nnx.to_pure_dict(nnx.state(block, nnx.Param)) for block in self.layers]
+
+    def decode_layer_params(self) -> Any:
+        """`pure_layer_params` with projections fused (`layers.fuse_projections`): build once
+        outside a decode loop and pass as `layer_params` to every step."""
+        params = self.pure_layer_params()
+        if self.config.scan_layers:
+            return fuse_projections(params)
+        return [fuse_projections(p) for p in params]
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty `KVCache` for `batch_size` rows of up to `max_len` tokens (compute dtype)."""
@@ -328,10 +334,8 @@ class Decoder(nnx.Module):
                 layer = jax.checkpoint(layer, policy=policy, static_argnums=(2, 4))
 
         kv = None if cache is None else (cache.k, cache.v)
+        params = self.pure_layer_params() if layer_params is None else layer_params
         if c.scan_layers:
-            params = layer_params
-            if params is None:
-                params = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
 
             def body(carry, xs):
                 x, kv = carry
@@ -342,9 +346,7 @@ class Decoder(nnx.Module):
             (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
         else:
             new_k, new_v = [], []
-            for i, block in enumerate(self.layers):
-                p = (nnx.to_pure_dict(nnx.state(block, nnx.Param)) if layer_params is None
-                     else layer_params[i])
+            for i, p in enumerate(params):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
                 x, layer_kv = layer(p, x, sliding[i], layer_kv, i)
                 if layer_kv is not None:

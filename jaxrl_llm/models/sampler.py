@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from jaxrl_llm.models.decode_program import (  # noqa: F401 (process_logits re-exported)
     Program,
     decode_segment,
+    fused_layer_params,
     prefill,
     process_logits,
     select_rows,
@@ -165,9 +166,10 @@ class Sampler:
             f"{self.prompt_buckets[-1]} (prompts are never truncated; add a larger bucket)"
         )
 
-    def _decode(self, carry: dict, params: SamplingParams, args: tuple,
-                static: dict) -> dict[str, np.ndarray]:
-        """Run the decode segments of one prompt batch; its outputs, one row per sample."""
+    def _decode(self, carry: dict, params: SamplingParams,
+                run_segment: Callable[[dict, jax.Array], dict]) -> dict[str, np.ndarray]:
+        """Run the decode segments of one prompt batch (`run_segment(carry, until)`); its
+        outputs, one row per sample."""
         rows0 = self.batch_size * params.n
         max_new = params.max_new_tokens
         segment = max_new if not params.stop_token_ids else (
@@ -177,8 +179,7 @@ class Sampler:
         step = 1
         while step < max_new:
             until = min(step + segment, max_new)
-            carry = decode_segment(*args[:2], carry, jnp.int32(until), *args[2:], **static,
-                                   total_rows=rows0)
+            carry = run_segment(carry, jnp.int32(until))
             stopped = np.asarray(carry["loop"]["stopped"])
             self.rows_decoded += len(current) * (int(carry["loop"]["step"]) - step)
             step = int(carry["loop"]["step"])
@@ -238,6 +239,12 @@ class Sampler:
         # -1 never matches a token: "no stop tokens" keeps the same array shape.
         stop_ids = jnp.asarray(params.stop_token_ids or (-1,), jnp.int32)
         cache_dtype = self._cache_dtype()
+        layer_params = fused_layer_params(graphdef, state)  # once per call, for every batch
+        static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
+                      return_logits=return_logits)
+        run_segment = lambda carry, until: decode_segment(
+            graphdef, state, layer_params, carry, until, temperature, top_p, stop_ids,
+            **static, total_rows=self.batch_size * params.n)
         starts = range(0, len(prompts), self.batch_size)
         pieces = []
         for batch_index, start in enumerate(tqdm(starts, desc="generate", unit="batch",
@@ -252,13 +259,10 @@ class Sampler:
             # Padding prompts (last batch) are one real token so every row is well defined.
             tokens[len(chunk):, -1] = self.pad_token_id
             mask[len(chunk):, -1] = 1
-            static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
-                          cache_dtype=cache_dtype, return_logits=return_logits)
-            carry = prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
-                            jax.random.fold_in(key, batch_index), temperature, top_p,
-                            stop_ids, **static)
-            out = self._decode(carry, params, (graphdef, state, temperature, top_p, stop_ids),
-                               static)
+            carry = prefill(graphdef, state, layer_params, jnp.asarray(tokens),
+                            jnp.asarray(mask), jax.random.fold_in(key, batch_index),
+                            temperature, top_p, stop_ids, cache_dtype=cache_dtype, **static)
+            out = self._decode(carry, params, run_segment)
             keep = len(chunk) * params.n
             pieces.append({k: v[:keep] for k, v in out.items()})
         merged = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
