@@ -65,6 +65,25 @@ def pick_schema(keys: set[str]) -> str:
     return min(SCHEMAS, key=lambda name: len(keys - set(schema_class(name).model_fields)))
 
 
+def load_experiment_config(path: str | None, overrides: Sequence[str]) -> Any:
+    """The plain experiment a stage command (`generate`, `evaluate`, `train`, ...) runs, from any
+    config file: an `iterate` or `quickstart` file is validated whole with its own schema, then
+    its extra sections (`iterate:`, `sft:`, ...) are left out. So `jaxrl-llm evaluate --config
+    configs/quickstart.yaml --model runs/quickstart/iter_3/export` reads the quickstart's task."""
+    name = pick_schema(top_level_keys(path, overrides))
+    try:
+        config = load_config(path, overrides, schema=schema_class(name))
+    except ConfigError as err:
+        if name == "experiment":
+            raise
+        raise ConfigError(f"{err} (read as a {name!r} config from its keys)") from err
+    if name == "experiment":
+        return config
+    from jaxrl_llm.iterate import experiment_part
+
+    return experiment_part(config)
+
+
 def run(args: argparse.Namespace) -> int:
     name = args.schema
     if name == "auto":

@@ -19,12 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import ConfigError, load_config
+    from jaxrl_llm.commands.config import load_experiment_config
+    from jaxrl_llm.config import ConfigError
     from jaxrl_llm.data.curation import curate_directory
     from jaxrl_llm.data.records import RecordError
     from jaxrl_llm.data.stages import has_mu, needs_score, stage_input, stage_output
 
-    config = load_config(args.config, args.overrides)
+    config = load_experiment_config(args.config, args.overrides)
     d = config.data
     # data/stages.py: the scored records when `score` wrote them, else data.records.
     records = stage_input(config, "curate", args.records)

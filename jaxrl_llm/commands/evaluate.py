@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import load_config
+    from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.eval.evaluate import evaluate_model, load_model_and_tokenizer, write_eval
     from jaxrl_llm.generate.loading import task_from_config
     from jaxrl_llm.paths import as_path
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"eval.n={args.n}")
     if args.num_questions is not None:
         overrides.append(f"eval.num_questions={args.num_questions}")
-    config = load_config(args.config, overrides)
+    config = load_experiment_config(args.config, overrides)
     e, g = config.eval, config.generate
     model, tokenizer, info = load_model_and_tokenizer(args.model, config, args.tokenizer)
     task = task_from_config(config)

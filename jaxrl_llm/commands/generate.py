@@ -21,14 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import ConfigError, load_config
+    from jaxrl_llm.commands.config import load_experiment_config
+    from jaxrl_llm.config import ConfigError
     from jaxrl_llm.generate.loading import (
         model_and_tokenizer,
         task_from_config,
         tokenizer_from_config,
     )
 
-    config = load_config(args.config, args.overrides)
+    config = load_experiment_config(args.config, args.overrides)
     g, d = config.generate, config.data
     out = args.out or g.output
     if out is None:

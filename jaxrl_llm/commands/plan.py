@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.atomic import atomic_write_text
-    from jaxrl_llm.config import load_config
+    from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.plan import PlanOutOfMemory, format_report, host_device_count, make_plan
 
     overrides = list(args.overrides)
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"plan.topology={args.topology}")
     if args.platform:
         overrides.append(f"plan.platform={args.platform}")
-    config = load_config(args.config, overrides)
+    config = load_experiment_config(args.config, overrides)
     count = host_device_count(config)
     if count is not None:
         # Read by XLA when jax first initialises its CPU backend (not yet, in this process).

@@ -26,14 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import load_config
+    from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.data.stages import scored_directory, stage_input
     from jaxrl_llm.models.loading import decoder_config, load_model
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.preflight import check_all_records
     from jaxrl_llm.train.score import score_records
 
-    config = load_config(args.config, args.overrides)
+    config = load_experiment_config(args.config, args.overrides)
     # data/stages.py: reads data.records, writes generate.score_output or <records>-scored.
     records = stage_input(config, "score", args.records)
     out = args.out or scored_directory(config, records)

@@ -17,12 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import load_config
+    from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.train.nonfinite import NonFiniteError
     from jaxrl_llm.train.preemption import EXIT_PREEMPTED
     from jaxrl_llm.train.trainer import Trainer
 
-    config = load_config(args.config, args.overrides)
+    config = load_experiment_config(args.config, args.overrides)
     trainer = Trainer(config, records=args.records, progress=not args.no_progress)
     try:
         result = trainer.run()

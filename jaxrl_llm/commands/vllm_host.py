@@ -20,10 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import ConfigError, load_config
+    from jaxrl_llm.commands.config import load_experiment_config
+    from jaxrl_llm.config import ConfigError
     from jaxrl_llm.generate.vllm import generate_vllm_records
 
-    config = load_config(args.config, args.overrides)
+    config = load_experiment_config(args.config, args.overrides)
     out = args.out or config.generate.output
     if out is None:
         raise ConfigError("set --out or generate.output")

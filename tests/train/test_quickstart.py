@@ -62,6 +62,17 @@ def test_quickstart_tiny_end_to_end_then_rerun_skips(tmp_path, capsys):
     assert not any(k.startswith("loss/log_ratio") for k in sft["train"]["last"])
     assert "loss/log_ratio_mean_neg" in stages["train"]["last"]
 
+    # The shipped quickstart config drives the stage commands too (its `iterate:`/`sft:` keys
+    # are its own, not errors): evaluate the export on the quickstart's task.
+    eval_dir = tmp_path / "eval_export"
+    assert cli_main(["evaluate", "--config", str(CONFIGS / "quickstart.yaml"), "--model",
+                     paths["export"], "--n", "2", "--num-questions", "3", "--out", str(eval_dir),
+                     "eval.batch_size=6", "eval.bootstrap_trials=5", "eval.maj_k=[1,2]",
+                     "eval.max_new_tokens=8"]) == 0
+    evaluated = json.loads((eval_dir / "eval.json").read_text())
+    assert evaluated["num_questions"] == 3 and evaluated["n"] == 2
+    assert evaluated["task"] == yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())["data"]["task"]
+
     # A re-run finds every stage complete and redoes none of them.
     assert cli_main(["quickstart", "--no-progress", f"run_dir={run_dir}", *TINY]) == 0
     assert json.loads((run_dir / "iter_1" / "stages.json").read_text()) == stages
