@@ -61,6 +61,11 @@ def attention_mesh(mesh: Mesh | None) -> Iterator[None]:
         _MESH.reset(token)
 
 
+def current_mesh() -> Mesh | None:
+    """The mesh set by the innermost `attention_mesh` (None outside one)."""
+    return _MESH.get()
+
+
 def current_platform() -> str:
     """The platform the traced computation is for: the mesh's devices, else the default."""
     mesh = _MESH.get()

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrl_llm.models.attention import resolve, self_attention
+from jaxrl_llm.models.attention import attention_mesh, current_mesh, resolve, self_attention
 from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.layer_scan import LayerGradAccumulator, accumulating_layer_scan
 from jaxrl_llm.models.layers import (
     MLP,
     Attention,
@@ -259,12 +260,16 @@ class Decoder(nnx.Module):
         segment_ids: Array | None = None,
         cache: KVCache | None = None,
         layer_params: Any = None,
+        grad_accumulator: LayerGradAccumulator | None = None,
     ) -> Array | tuple[Array, KVCache]:
         """Hidden states [B, T, d] after the final norm; `(hidden, new_cache)` with a cache.
 
         layer_params: the layers' pure params to use instead of the module's (e.g.
-        `decode_layer_params()`, built once before a decode loop)."""
+        `decode_layer_params()`, built once before a decode loop).
+        grad_accumulator: (`scan_layers`, no cache) the layer weights are float32 masters run
+        through `layer_scan.accumulating_layer_scan`: their gradient is this plus the gradient."""
         c = self.config
+        assert grad_accumulator is None or (cache is None and c.scan_layers), "scan_layers only"
         chex.assert_rank(tokens, 2)
         b, t = tokens.shape
         if segment_ids is None:
@@ -326,6 +331,19 @@ class Decoder(nnx.Module):
                 mask = jnp.where(is_sliding, masks[True], masks[False])
             return block_forward(p, x, cos, sin, mask, kv, layer_index, cache_index, c)
 
+        params = self.pure_layer_params() if layer_params is None else layer_params
+        if grad_accumulator is not None:
+            mesh = current_mesh()  # the backward pass is traced outside the caller's context
+
+            def accumulated_layer(p, h, xs_i):
+                with attention_mesh(mesh):
+                    return layer(p, h, xs_i[0], None, xs_i[1])[0]
+
+            x = accumulating_layer_scan(
+                accumulated_layer, params, grad_accumulator, x,
+                (jnp.asarray(sliding), jnp.arange(c.num_layers, dtype=jnp.int32)))
+            return rms_norm(x, self.final_norm.scale[...], eps=c.rms_norm_eps, gemma=c.is_gemma)
+
         if c.remat != "none":
             policy = REMAT_POLICIES[c.remat]
             if c.scan_layers:  # under scan CSE cannot undo the remat, so skip its barrier
@@ -334,7 +352,6 @@ class Decoder(nnx.Module):
                 layer = jax.checkpoint(layer, policy=policy, static_argnums=(2, 4))
 
         kv = None if cache is None else (cache.k, cache.v)
-        params = self.pure_layer_params() if layer_params is None else layer_params
         if c.scan_layers:
 
             def body(carry, xs):

@@ -46,6 +46,7 @@ from jaxrl_llm.losses.registry import LOSS_SPECS, loss_spec
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.models.attention import attention_mesh
+from jaxrl_llm.models.layer_scan import LayerGradAccumulator
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree
 from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
@@ -88,7 +89,7 @@ def _for_kernel(unembed: jax.Array, mesh: Mesh | None):
 
 def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: jax.Array,
             positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None,
-            *, gather_unembed: bool = True):
+            *, gather_unembed: bool = True, grad_accumulator: LayerGradAccumulator | None = None):
     """(hidden [B,T,d], unembedding [d,V], final-logit softcap) of the model on token rows
     `inputs [B,T]` with their `positions` and `segment_ids` (a `Batch`'s fields of those names).
 
@@ -102,7 +103,8 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
     """
     model = nnx.merge(graphdef, params, model_state)
     with attention_mesh(mesh):  # fused attention kernels run per shard of this mesh
-        hidden = model(inputs, positions=positions, segment_ids=segment_ids)
+        hidden = model(inputs, positions=positions, segment_ids=segment_ids,
+                       **({} if grad_accumulator is None else {"grad_accumulator": grad_accumulator}))
     softcap = getattr(model, "final_logit_softcap", None)
     unembed = model.unembedding()
     if mesh is not None:
@@ -184,6 +186,27 @@ def positive_records(config: ExperimentConfig, batch: Batch, adv: jax.Array | No
     return batch.correct.astype(bool)
 
 
+def accumulates_in_layer_scan(config: ExperimentConfig) -> bool:
+    """Whether micro-batch gradients are added into the accumulator inside the layer scan's
+    backward pass (`models/layer_scan.py`): scanned layers under `remat: full` (its backward
+    recomputes each layer from the layer's input, as `remat: full` does), full fine-tuning,
+    one gradient tree (`train.accumulate_in_layer_scan`)."""
+    m = config.model
+    return (config.train.accumulate_in_layer_scan and m.scan_layers and m.remat == "full"
+            and m.lora is None and not config.train.grad_norm_by_sign)
+
+
+def _is_layer_path(path: tuple[Any, ...]) -> bool:
+    return bool(path) and getattr(path[0], "key", None) == "layers"
+
+
+def _where_layers(layers_from: Any, rest_from: Any) -> Any:
+    """A params-shaped tree: the layer weights' leaves from `layers_from`, the others from
+    `rest_from`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a, b: a if _is_layer_path(path) else b, layers_from, rest_from)
+
+
 def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
     """`(params, state, batch) -> (grads, total, weight, metrics, sign_grads)` summed over
     micro-batches (gradients of Σ total, not yet divided). `sign_grads` is None, or with
@@ -194,8 +217,10 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
     by_sign = config.train.grad_norm_by_sign
     grad_shardings = jax.tree.map(lambda x: x.sharding, state.params)
 
-    def micro_step(params, st: TrainState, mb: Batch, adv):
-        """(gradient trees, LossOutput): (g,) or, when split by sign, (g, g⁺, g⁻)."""
+    def micro_step(params, st: TrainState, mb: Batch, adv, layer_grads: Any = None):
+        """(gradient trees, LossOutput): (g,) or, when split by sign, (g, g⁺, g⁻). With
+        `layer_grads` (the accumulator's layer weights, a pure dict) the layer weights' entry
+        of g is `layer_grads` plus their gradient (`models/layer_scan.py`)."""
         ref_hidden = ref_unembed = None
         if use_ref:
             ref_params = jax.lax.stop_gradient(st.ref_params)
@@ -208,9 +233,17 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
 
         def grad_of(b: Batch):
             def loss_of(p):
+                model_params = cast_to_dtypes(p, st.param_dtypes)
+                accumulator = None
+                if layer_grads is not None:
+                    dtypes = jax.tree.map(lambda a: a.dtype,
+                                          nnx.to_pure_dict(model_params["layers"]))
+                    accumulator = LayerGradAccumulator(layer_grads, dtypes)
+                    # the layers get their float32 masters and cast one layer at a time
+                    model_params = _where_layers(p, model_params)
                 hidden, unembed, softcap = forward(
-                    st.graphdef, cast_to_dtypes(p, st.param_dtypes), st.model_state,
-                    b.inputs, b.positions, b.segment_ids, mesh, gather_unembed=False,
+                    st.graphdef, model_params, st.model_state, b.inputs, b.positions,
+                    b.segment_ids, mesh, gather_unembed=False, grad_accumulator=accumulator,
                 )
                 unembed, rows = _for_kernel(unembed, mesh)
                 out: LossOutput = compute_loss(
@@ -244,12 +277,18 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
             return grads, out.total, out.weight, dict(out.metrics), sign_grads
         micro = _split_micro(batch, n, mesh)
         adv_micro = None if adv is None else adv.reshape(n, -1)
+        in_scan = accumulates_in_layer_scan(config)
 
         def body(carry, xs):
             g_acc, total, weight = carry
             mb, a = xs
-            parts, out = micro_step(params, st, mb, a)
-            g_acc = jax.tree.map(jnp.add, g_acc, parts)
+            if in_scan:
+                (g,), out = micro_step(params, st, mb, a,
+                                       layer_grads=nnx.to_pure_dict(g_acc[0]["layers"]))
+                g_acc = (_where_layers(g, jax.tree.map(jnp.add, g_acc[0], g)),)
+            else:
+                parts, out = micro_step(params, st, mb, a)
+                g_acc = jax.tree.map(jnp.add, g_acc, parts)
             # Kernel metrics are per micro-batch means: weight them by the micro-batch weight.
             weighted = {k: v * out.weight for k, v in out.metrics.items()}
             return (g_acc, total + out.total, weight + out.weight), (weighted, out.weight)

@@ -9,7 +9,9 @@ must follow Adam's recursion with the moment rounded to bf16 between steps.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -176,10 +178,9 @@ def _decoder_config(**model):
     })
 
 
-def test_train_command_with_fsdp_chunk_gather_and_bf16_moment(tmp_path, monkeypatch):
-    """`jaxrl-llm train` on a scanned bf16 model with fp32 masters, FSDP over the 8 test
-    devices (the unembedding gathered chunk by chunk) and `optim.mu_dtype=bfloat16` trains:
-    finite losses, every step moves the parameters."""
+def _train_run(tmp_path, *overrides: str) -> list[dict]:
+    """`jaxrl-llm train` from `tmp_path` on a scanned bf16 model (fp32 masters, 2 micro-batches,
+    FSDP over the 8 test devices); the metrics rows."""
     import json
 
     import yaml
@@ -201,10 +202,32 @@ def test_train_command_with_fsdp_chunk_gather_and_bf16_moment(tmp_path, monkeypa
                 train={"steps": 3, "batch_size": 16, "micro_batch_size": 8, "max_seq_len": 16,
                        "log_every": 1, "checkpoint_every": 3})
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(tree))
-    monkeypatch.chdir(tmp_path)  # relative paths, as a user runs it
-    assert cli_main(["train", "--config", "c.yaml", "--no-progress",
-                     "optim.mu_dtype=bfloat16", "optim.learning_rate=1e-2"]) == 0
-    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    cwd = Path.cwd()
+    os.chdir(tmp_path)  # relative paths, as a user runs it
+    try:
+        assert cli_main(["train", "--config", "c.yaml", "--no-progress", *overrides]) == 0
+    finally:
+        os.chdir(cwd)
+    return [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_command_with_fsdp_chunk_gather_and_bf16_moment(tmp_path):
+    """`jaxrl-llm train` on a scanned bf16 model with fp32 masters, FSDP over the 8 test
+    devices (the unembedding gathered chunk by chunk) and `optim.mu_dtype=bfloat16` trains:
+    finite losses, every step moves the parameters."""
+    rows = _train_run(tmp_path, "optim.mu_dtype=bfloat16", "optim.learning_rate=1e-2")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and r["update_skipped"] == 0 for r in rows)
     assert len({r["param_norm"] for r in rows}) == 3  # every step changed the parameters
+
+
+@pytest.mark.slow
+def test_train_command_in_scan_accumulation_matches_the_plain_scan(tmp_path):
+    """The same run with the micro-batch gradients accumulated inside the layer scan
+    (default) and by the plain scan: the same losses and gradient norms, step by step."""
+    on = _train_run(tmp_path / "on", "optim.learning_rate=1e-2")
+    off = _train_run(tmp_path / "off", "optim.learning_rate=1e-2",
+                     "train.accumulate_in_layer_scan=false")
+    for a, b in zip(on, off, strict=True):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-3)
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=2e-2)
