@@ -200,6 +200,13 @@ def _is_layer_path(path: tuple[Any, ...]) -> bool:
     return bool(path) and getattr(path[0], "key", None) == "layers"
 
 
+def _layers_are_float32(params: Any) -> bool:
+    """Float32 layer weights (masters), as the in-scan accumulator's cotangents are; with
+    `optim.master_weights_fp32: false` and bf16 weights the plain scan runs."""
+    leaves = [a for path, a in jax.tree_util.tree_leaves_with_path(params) if _is_layer_path(path)]
+    return bool(leaves) and all(a.dtype == jnp.float32 for a in leaves)
+
+
 def _where_layers(layers_from: Any, rest_from: Any) -> Any:
     """A params-shaped tree: the layer weights' leaves from `layers_from`, the others from
     `rest_from`."""
@@ -277,7 +284,7 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
             return grads, out.total, out.weight, dict(out.metrics), sign_grads
         micro = _split_micro(batch, n, mesh)
         adv_micro = None if adv is None else adv.reshape(n, -1)
-        in_scan = accumulates_in_layer_scan(config)
+        in_scan = accumulates_in_layer_scan(config) and _layers_are_float32(params)
 
         def body(carry, xs):
             g_acc, total, weight = carry

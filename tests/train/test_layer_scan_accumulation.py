@@ -23,10 +23,12 @@ MODEL = {"source": "random", "vocab_size": 64, "hidden_size": 32, "intermediate_
          "scan_layers": True, "remat": "full"}
 
 
-def _config(loss: str, *, fsdp: int, in_scan: bool, micro: int | None, dtype: str = "float32"):
+def _config(loss: str, *, fsdp: int, in_scan: bool, micro: int | None, dtype: str = "float32",
+            masters: bool = True):
     return config_from_dict({
         "model": {**MODEL, "param_dtype": dtype, "compute_dtype": dtype},
         "loss": {"name": loss},
+        "optim": {"master_weights_fp32": masters},
         "mesh": {"data": 1, "fsdp": fsdp, "tensor": 1},
         "train": {"batch_size": 8, "micro_batch_size": micro, "max_seq_len": 16,
                   "accumulate_in_layer_scan": in_scan},
@@ -34,9 +36,9 @@ def _config(loss: str, *, fsdp: int, in_scan: bool, micro: int | None, dtype: st
 
 
 def _grads(loss: str, *, fsdp: int = 1, in_scan: bool, micro: int | None,
-           dtype: str = "float32"):
-    """(layer-weight gradients, other gradients, Σ total) of one batch; the compiled temp bytes."""
-    config = _config(loss, fsdp=fsdp, in_scan=in_scan, micro=micro, dtype=dtype)
+           dtype: str = "float32", masters: bool = True):
+    """(gradients by key path, Σ total, the compiled step's temp bytes) of one batch."""
+    config = _config(loss, fsdp=fsdp, in_scan=in_scan, micro=micro, dtype=dtype, masters=masters)
     mesh = make_mesh(config.mesh, jax.devices()[:fsdp])
     state = create_train_state(config, mesh)
     loss_and_grad = make_loss_and_grad(config, mesh, state)
@@ -86,3 +88,11 @@ def test_in_scan_accumulation_on_an_fsdp_mesh_with_bf16_compute():
     in_scan, _, _ = _grads("topr", fsdp=4, in_scan=True, micro=4, dtype="bfloat16")
     # Same bf16 matmuls; only where the bf16 → fp32 conversion sits differs.
     _assert_same(in_scan, plain, rtol=2e-2, atol=1e-4)
+
+
+def test_bf16_weights_without_float32_masters():
+    """`optim.master_weights_fp32: false` with bf16 weights: the same gradients, bit for bit,
+    with the switch on (the step then keeps the plain scan) as off."""
+    on, _, _ = _grads("topr", in_scan=True, micro=2, dtype="bfloat16", masters=False)
+    off, _, _ = _grads("topr", in_scan=False, micro=2, dtype="bfloat16", masters=False)
+    _assert_same(on, off, rtol=0, atol=0)
