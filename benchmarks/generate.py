@@ -18,6 +18,7 @@ third column runs ours without dropping them: same samples, so the time ratio is
     python benchmarks/generate.py --batch-sizes 32 --eos --runs 3
     python benchmarks/generate.py --batch-sizes 32 --runs 3
     python benchmarks/generate.py --gpu           # on a GPU: both in bf16, PyTorch with sdpa
+    python benchmarks/generate.py --batch-sizes 32 --runs 3 --dtype bfloat16  # both in bf16
 
 Writes benchmarks/results/generate.json and generate.md.
 """
@@ -153,15 +154,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="also sample at T = 1 until EOS (≤ 256 tokens), 32 questions")
     parser.add_argument("--gpu", action="store_true",
                         help="JAX and PyTorch on the GPU, bf16 (PyTorch attention: sdpa)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weights and compute of both (default: float32 on the CPU, "
+                             "bfloat16 with --gpu)")
     args = parser.parse_args(argv)
-    args.out = args.out or RESULTS / ("generate_gpu.json" if args.gpu else "generate.json")
+    dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
+    default_name = "generate_gpu" if args.gpu else "generate"
+    if args.dtype is not None and dtype != ("bfloat16" if args.gpu else "float32"):
+        default_name += f"_{dtype}"
+    args.out = args.out or RESULTS / f"{default_name}.json"
 
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     path = smollm2_gguf_path()
-    dtype = "bfloat16" if args.gpu else "float32"
     ours = load_gguf(path, dtype=dtype, compute_dtype=dtype)
     tok = ours.tokenizer
     prompt_ids = tok(tok.apply_chat_template(PROMPT, tokenize=False,
