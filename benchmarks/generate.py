@@ -1,7 +1,7 @@
 """Decode throughput: our JAX KV-cache sampler vs transformers' `generate` (PyTorch CPU).
 
-Same weights for both: the packaged SmolLM2-135M-Instruct GGUF, dequantised to float32 by
-each framework's own loader (ours: `jaxrl_llm.models.gguf.load_gguf`; PyTorch:
+Same weights for both: the packaged SmolLM2-135M-Instruct GGUF, dequantised to float32 (or
+`--dtype`) by each framework's own loader (ours: `jaxrl_llm.models.gguf.load_gguf`; PyTorch:
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`). Greedy decoding of exactly
 `--new-tokens` tokens (no stop token) from a chat prompt repeated `batch` times, PyTorch on
 `--threads` threads. Each configuration: one warm-up run of each (JAX compiles there), then
@@ -158,11 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights and compute of both (default: float32 on the CPU, "
                              "bfloat16 with --gpu)")
     args = parser.parse_args(argv)
-    dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
-    default_name = "generate_gpu" if args.gpu else "generate"
-    if args.dtype is not None and dtype != ("bfloat16" if args.gpu else "float32"):
-        default_name += f"_{dtype}"
-    args.out = args.out or RESULTS / f"{default_name}.json"
+    usual = "bfloat16" if args.gpu else "float32"
+    dtype = args.dtype or usual
+    name = ("generate_gpu" if args.gpu else "generate") + ("" if dtype == usual else f"_{dtype}")
+    args.out = args.out or RESULTS / f"{name}.json"
 
     import torch
     from transformers import AutoModelForCausalLM

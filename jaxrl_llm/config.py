@@ -213,9 +213,9 @@ class TrainConfig(Section):
     max_nonfinite_steps: int = Field(3, gt=0)
     # Log grad_norm_positive/negative too (2 extra forward+backward passes per micro-batch).
     grad_norm_by_sign: bool = False
-    # With micro-batches, scanned layers and remat: full, add each layer's gradient into the float32
-    # accumulator inside the layer scan's backward pass (models/layer_scan.py): saves a
-    # parameter-sized micro-batch gradient and the whole-model compute-dtype weight copy.
+    # With micro-batches, scanned layers and remat: full, add each layer's gradient into the
+    # float32 accumulator inside the layer scan's backward pass (models/layer_scan.py): no
+    # stacked, parameter-sized micro-batch gradient (same gradients, less memory).
     accumulate_in_layer_scan: bool = True
     # Debug: log each step's consumed records to run_dir/record_trace.jsonl (train/record_trace.py).
     record_trace: bool = False

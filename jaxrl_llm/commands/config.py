@@ -71,14 +71,12 @@ def load_experiment_config(path: str | None, overrides: Sequence[str]) -> Any:
     its extra sections (`iterate:`, `sft:`, ...) are left out. So `jaxrl-llm evaluate --config
     configs/quickstart.yaml --model runs/quickstart/iter_3/export` reads the quickstart's task."""
     name = pick_schema(top_level_keys(path, overrides))
+    if name == "experiment":
+        return load_config(path, overrides)
     try:
         config = load_config(path, overrides, schema=schema_class(name))
     except ConfigError as err:
-        if name == "experiment":
-            raise
         raise ConfigError(f"{err} (read as a {name!r} config from its keys)") from err
-    if name == "experiment":
-        return config
     from jaxrl_llm.iterate import experiment_part
 
     return experiment_part(config)

@@ -332,40 +332,38 @@ class Decoder(nnx.Module):
             return block_forward(p, x, cos, sin, mask, kv, layer_index, cache_index, c)
 
         params = self.pure_layer_params() if layer_params is None else layer_params
-        if grad_accumulator is not None:
+        per_layer = (jnp.asarray(sliding), jnp.arange(c.num_layers, dtype=jnp.int32))
+        kv = None if cache is None else (cache.k, cache.v)
+        remat_layer = layer
+        if c.remat != "none":
+            policy = REMAT_POLICIES[c.remat]
+            if c.scan_layers:  # under scan CSE cannot undo the remat, so skip its barrier
+                remat_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+            else:  # unrolled: `is_sliding` and the index are Python values, static
+                remat_layer = jax.checkpoint(layer, policy=policy, static_argnums=(2, 4))
+
+        if grad_accumulator is not None:  # recomputes each layer in its own backward pass
             mesh = current_mesh()  # the backward pass is traced outside the caller's context
 
             def accumulated_layer(p, h, xs_i):
                 with attention_mesh(mesh):
                     return layer(p, h, xs_i[0], None, xs_i[1])[0]
 
-            x = accumulating_layer_scan(
-                accumulated_layer, params, grad_accumulator, x,
-                (jnp.asarray(sliding), jnp.arange(c.num_layers, dtype=jnp.int32)))
-            return rms_norm(x, self.final_norm.scale[...], eps=c.rms_norm_eps, gemma=c.is_gemma)
-
-        if c.remat != "none":
-            policy = REMAT_POLICIES[c.remat]
-            if c.scan_layers:  # under scan CSE cannot undo the remat, so skip its barrier
-                layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-            else:  # unrolled: `is_sliding` and the index are Python values, static
-                layer = jax.checkpoint(layer, policy=policy, static_argnums=(2, 4))
-
-        kv = None if cache is None else (cache.k, cache.v)
-        if c.scan_layers:
+            x = accumulating_layer_scan(accumulated_layer, params, grad_accumulator, x,
+                                        per_layer)
+        elif c.scan_layers:
 
             def body(carry, xs):
                 x, kv = carry
                 p, is_sliding, layer_index = xs
-                return layer(p, x, is_sliding, kv, layer_index), None
+                return remat_layer(p, x, is_sliding, kv, layer_index), None
 
-            xs = (params, jnp.asarray(sliding), jnp.arange(c.num_layers, dtype=jnp.int32))
-            (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (params, *per_layer))
         else:
             new_k, new_v = [], []
             for i, p in enumerate(params):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-                x, layer_kv = layer(p, x, sliding[i], layer_kv, i)
+                x, layer_kv = remat_layer(p, x, sliding[i], layer_kv, i)
                 if layer_kv is not None:
                     new_k.append(layer_kv[0])
                     new_v.append(layer_kv[1])

@@ -103,8 +103,9 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
     """
     model = nnx.merge(graphdef, params, model_state)
     with attention_mesh(mesh):  # fused attention kernels run per shard of this mesh
-        hidden = model(inputs, positions=positions, segment_ids=segment_ids,
-                       **({} if grad_accumulator is None else {"grad_accumulator": grad_accumulator}))
+        # passed only when set: models other than `Decoder` (test models) do not take it
+        extra = {} if grad_accumulator is None else {"grad_accumulator": grad_accumulator}
+        hidden = model(inputs, positions=positions, segment_ids=segment_ids, **extra)
     softcap = getattr(model, "final_logit_softcap", None)
     unembed = model.unembedding()
     if mesh is not None:
@@ -292,7 +293,9 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
             if in_scan:
                 (g,), out = micro_step(params, st, mb, a,
                                        layer_grads=nnx.to_pure_dict(g_acc[0]["layers"]))
-                g_acc = (_where_layers(g, jax.tree.map(jnp.add, g_acc[0], g)),)
+                # the layer weights' entries of g already hold the accumulator
+                g_acc = (jax.tree_util.tree_map_with_path(
+                    lambda path, acc, gi: gi if _is_layer_path(path) else acc + gi, g_acc[0], g),)
             else:
                 parts, out = micro_step(params, st, mb, a)
                 g_acc = jax.tree.map(jnp.add, g_acc, parts)
