@@ -21,8 +21,10 @@ def damaged(directory: Path, how: str) -> Path:
     data = bytearray(shard.read_bytes())
     if how == "truncated":
         data = data[: len(data) // 2]
-    else:  # flip bytes inside the first chunk: its hash no longer matches
-        data[200:600] = bytes(b ^ 0xFF for b in data[200:600])
+    else:  # flip bytes inside the first chunk's data (bytes 104-363) only: its hash no longer
+        # matches, and no other chunk is damaged, so a reader that reads chunks in parallel
+        # reports the same chunk every time
+        data[150:300] = bytes(b ^ 0xFF for b in data[150:300])
     shard.write_bytes(bytes(data))
     return directory
 
