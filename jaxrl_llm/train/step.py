@@ -107,7 +107,8 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
         extra = {} if grad_accumulator is None else {"grad_accumulator": grad_accumulator}
         hidden = model(inputs, positions=positions, segment_ids=segment_ids, **extra)
     softcap = getattr(model, "final_logit_softcap", None)
-    unembed = model.unembedding()
+    # In the compute dtype, as the layers cast theirs: float32 weights with bf16 compute.
+    unembed = model.unembedding().astype(hidden.dtype)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(
             hidden, NamedSharding(mesh, P(BATCH_AXES, None, None))

@@ -30,6 +30,9 @@ def _segments(kind: str) -> np.ndarray:
     if kind == "padded":  # right padding: row 0 has 100 real tokens, row 1 has 37
         seg[0, 100:] = 0
         seg[1, 37:] = 0
+    elif kind == "left":  # left padding: must not take the unmasked one-sequence path
+        seg[0, :20] = 0
+        seg[1, :50] = 0
     elif kind == "packed":  # row 0: three records then padding; row 1: two records
         seg[0, :40], seg[0, 40:90], seg[0, 90:120], seg[0, 120:] = 1, 2, 3, 0
         seg[1, :70], seg[1, 70:] = 1, 2
@@ -82,6 +85,7 @@ def _inputs(seed: int = 0):
 CASES = [  # (segments, window, softcap)
     ("full", None, None),
     ("padded", None, None),
+    ("left", None, None),
     ("packed", None, None),
     ("packed", 24, None),
     ("padded", 24, 50.0),
@@ -145,6 +149,43 @@ def test_traced_layer_choice_selects_the_window() -> None:
         want = _reference(q, k, v, seg, 24 if local else None, None)
         np.testing.assert_allclose(np.where(real, run(jnp.asarray(local)), 0),
                                    np.where(real, want, 0), atol=2e-5)
+
+
+def _relative_error(got, want, real) -> float:
+    got, want = (np.where(real, np.asarray(a, np.float64), 0.0) for a in (got, want))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on an NVIDIA GPU only")
+@pytest.mark.parametrize("segments,window", [("full", None), ("padded", None), ("left", None),
+                                             ("packed", None), ("packed", 24)])
+def test_cudnn_kernel_on_gpu_matches_jnp_attention_in_bf16(segments: str,
+                                                           window: int | None) -> None:
+    """On a GPU "cudnn" must compile to cuDNN's fused attention (not a fallback) and give the
+    jnp path's values and gradients, the jnp path run in float32 on the same bf16 inputs."""
+    q, k, v, cot = (a.astype(jnp.bfloat16) for a in _inputs(3))
+    seg = jnp.asarray(_segments(segments))
+    real = np.asarray(seg != 0)[:, :, None, None]
+    cot = jnp.where(real, cot, 0)
+
+    def new_fn(q, k, v):
+        return self_attention(q, k, v, seg, scale=SCALE, window=window,
+                              is_local=window is not None, implementation="cudnn")
+
+    def ref_fn(q, k, v):
+        return _reference(*(a.astype(jnp.float32) for a in (q, k, v)), seg, window, None)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * cot.astype(jnp.float32))
+
+    hlo = jax.jit(new_fn).lower(q, k, v).compile().as_text()
+    assert "__cudnn$fmha" in hlo, "cuDNN's fused attention is not in the compiled program"
+    assert _relative_error(new_fn(q, k, v), ref_fn(q, k, v), real) < 1e-2
+    new_grads = jax.jit(jax.grad(lambda *a: loss(new_fn, *a), argnums=(0, 1, 2)))(q, k, v)
+    ref_grads = jax.grad(lambda *a: loss(ref_fn, *a), argnums=(0, 1, 2))(q, k, v)
+    for name, n, r in zip("qkv", new_grads, ref_grads):
+        err = _relative_error(n, r, np.ones_like(real) if name != "q" else real)
+        assert err < 2e-2, f"d{name}: relative error {err:.3g}"
 
 
 def test_resolve_by_platform_and_unsupported_cases() -> None:

@@ -1,0 +1,56 @@
+"""The GPU benchmark scripts, run as a user runs them (a subprocess from a temp directory),
+in their CPU-sized forms: so that the day a GPU is there they run unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow  # two child processes, each importing jax or torch
+def test_gpu_train_step_smoke_runs_both_frameworks_with_micro_batches(tmp_path: Path) -> None:
+    out = _run(tmp_path, str(ROOT / "benchmarks" / "gpu_train_step.py"), "--smoke",
+               "--micro-batches", "2")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    for fw in ("jax", "torch"):
+        assert row[fw]["micro_batches"] == 2, row
+        assert row[fw]["tokens_per_s"] > 0 and len(row[fw]["times_s"]) == 1
+    assert row["jax_over_torch"] == pytest.approx(
+        row["jax"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
+
+
+@pytest.mark.slow  # a 135M-parameter random model, saved and loaded by both frameworks
+def test_generate_with_random_weights_agrees_with_transformers_greedy(tmp_path: Path) -> None:
+    """`--weights random`: both frameworks load the one checkpoint transformers saved, so in
+    float32 our greedy tokens are transformers' (an independent check of the loader and
+    sampler, besides the timing)."""
+    _run(tmp_path, str(ROOT / "benchmarks" / "generate.py"), "--weights", "random",
+         "--batch-sizes", "2", "--new-tokens", "6", "--runs", "1", "--out", "gen.json")
+    result = json.loads((tmp_path / "gen.json").read_text())
+    (row,) = result["rows"]
+    assert row["batch"] == 2 and row["new_tokens"] == 6 and row["prompt_tokens"] == 40
+    assert row["greedy_token_agreement_row0"] == 1.0
+    assert "random weights" in result["benchmark"]
+
+
+def test_generate_refuses_eos_with_random_weights(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"),
+                          "--weights", "random", "--eos"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2 and "--eos" in out.stderr and "random" in out.stderr
