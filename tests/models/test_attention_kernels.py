@@ -151,6 +151,28 @@ def test_traced_layer_choice_selects_the_window() -> None:
                                    np.where(real, want, 0), atol=2e-5)
 
 
+@pytest.mark.parametrize("segments", ["padded", "packed"])
+def test_xla_path_on_batch_sharded_rows(segments: str) -> None:
+    """The one-sequence test (`lax.cond` over the whole batch) on rows split over 8 devices:
+    the same values as on one device, for both of its branches."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    q, k, v, _ = (jnp.tile(a, (4, 1, 1, 1)) for a in _inputs(4))  # 8 rows
+    seg = jnp.tile(jnp.asarray(_segments(segments)), (4, 1))
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    run = jax.jit(lambda q, k, v, seg: self_attention(q, k, v, seg, scale=SCALE,
+                                                      implementation="xla"))
+    want = run(q, k, v, seg)
+    got = run(*(jax.device_put(a, rows) for a in (q, k, v, seg)))
+    assert got.sharding.spec[0] == "data"
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    real = np.asarray(seg != 0)[:, :, None, None]
+    ref = _reference(q[:2], k[:2], v[:2], seg[:2], None, None)
+    np.testing.assert_allclose(np.where(real[:2], got[:2], 0), np.where(real[:2], ref, 0),
+                               atol=2e-5)
+
+
 def _relative_error(got, want, real) -> float:
     got, want = (np.where(real, np.asarray(a, np.float64), 0.0) for a in (got, want))
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
