@@ -58,12 +58,7 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
              "Say hello in Spanish.", "What animal says moo?", "Give one synonym for happy.",
              "How many legs does a spider have?", "What is the opposite of cold?"]
 EOS_MAX_NEW = 256
-# SmolLM2-135M-Instruct's config.json, for `--weights random`.
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
-                    tie_word_embeddings=True, max_position_embeddings=8192,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=2)
+RANDOM_PAD = 2  # SmolLM2's pad (= EOS) id, for `--weights random`
 
 
 def _interleaved_median_times(fns: dict, runs: int) -> tuple[dict, dict, dict]:
@@ -140,18 +135,18 @@ def _random_models(dtype: str, device: str):
     import tempfile
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from gpu_train_step import SHAPES, hf_model  # benchmarks/, this script's directory
 
     from jaxrl_llm.models.hf import load_pretrained
 
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, attn_implementation="sdpa"))
+    shape = SHAPES["smollm2_135m"]
+    hf = hf_model(shape, 8192, bos_token_id=1, eos_token_id=RANDOM_PAD, pad_token_id=RANDOM_PAD)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         ours = load_pretrained(tmp, dtype=dtype, compute_dtype=dtype)
     torch_model = hf.to(device=device, dtype=getattr(torch, dtype)).eval()
-    prompt_ids = np.random.default_rng(0).integers(3, SMOLLM2_135M["vocab_size"], 40).tolist()
-    return ours, torch_model, prompt_ids, SMOLLM2_135M["pad_token_id"]
+    prompt_ids = np.random.default_rng(0).integers(3, shape["vocab_size"], 40).tolist()
+    return ours, torch_model, prompt_ids, RANDOM_PAD
 
 
 def _write(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:

@@ -102,11 +102,11 @@ def run_jax(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
     return count_params(state.params), one
 
 
-def run_torch(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
+def hf_model(shape: dict, max_positions: int, **config: object):
+    """transformers' model of a `SHAPES` entry, random weights (seed 0), sdpa attention."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     cls, cfg_cls = ((Qwen2ForCausalLM, Qwen2Config) if shape["family"] == "qwen2"
                     else (LlamaForCausalLM, LlamaConfig))
     cfg = cfg_cls(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
@@ -115,9 +115,16 @@ def run_torch(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
                   num_key_value_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
                   rope_theta=shape["rope_theta"], rms_norm_eps=shape["rms_norm_eps"],
                   tie_word_embeddings=shape["tie_embeddings"],
-                  max_position_embeddings=max(t, 2048), attn_implementation="sdpa")
+                  max_position_embeddings=max_positions, attn_implementation="sdpa", **config)
     torch.manual_seed(0)
-    model = cls(cfg).to(device=device, dtype=torch.bfloat16).train()
+    return cls(cfg)
+
+
+def run_torch(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = hf_model(shape, max(t, 2048)).to(device=device, dtype=torch.bfloat16).train()
     if args.remat == "full":
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
