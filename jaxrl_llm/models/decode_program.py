@@ -70,6 +70,26 @@ class Program:
                    params.top_p < 1.0)
 
 
+def first_argmax(x: Array) -> Array:
+    """`jnp.argmax(x, axis=-1)` (the first maximal index; the first NaN if a row has one) as
+    two vectorised reductions. x [B, V] -> [B] int32.
+
+    Why: XLA:CPU lowers argmax to a variadic (value, index) reduce that does not vectorise;
+    over a 49k vocabulary at batch 32 it took 3.5 ms of a ~95 ms decode step, this ~1 ms."""
+    nan = jnp.isnan(x)
+    # XLA's max may skip NaN, so a row with a NaN is matched on the NaN, not on its max.
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan,
+                    x == jnp.max(x, axis=-1, keepdims=True))
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
+def token_logprob(x: Array, token: Array) -> Array:
+    """`log_softmax(x)[token]` per row without materialising the [B, V] log-softmax."""
+    picked = jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(x, axis=-1)
+
+
 def sample_step(key: Array, logits: Array, temperature: Array, top_p: Array, row_ids: Array,
                 total_rows: int, *, greedy: bool, top_k: int,
                 use_top_p: bool) -> tuple[Array, Array, Array]:
@@ -79,17 +99,17 @@ def sample_step(key: Array, logits: Array, temperature: Array, top_p: Array, row
     noise is drawn for that batch: the module docstring's selection invariance)."""
     logits = logits.astype(jnp.float32)
     if greedy:
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        raw_lp = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0]
+        token = first_argmax(logits)
+        raw_lp = token_logprob(logits, token)
         return token, jnp.zeros_like(raw_lp), raw_lp
     processed = process_logits(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
     noise = jax.random.gumbel(key, (total_rows, logits.shape[-1]), jnp.float32)[row_ids]
-    token = jnp.argmax(processed + noise, axis=-1).astype(jnp.int32)
-    lp = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1), token[:, None], axis=-1)
-    raw = jax.nn.log_softmax(logits / temperature, axis=-1)
-    raw_lp = jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0]
-    return token, lp[:, 0], raw_lp
+    token = first_argmax(processed + noise)
+    lp = token_logprob(processed, token)
+    filtered = use_top_p or 0 < top_k < logits.shape[-1]
+    # Without top-k/top-p the processed logits are logits / temperature: the same log-prob.
+    raw_lp = token_logprob(logits / temperature, token) if filtered else lp
+    return token, lp, raw_lp
 
 
 def _last_logits(model: Any, hidden: Array) -> Array:

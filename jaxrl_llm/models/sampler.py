@@ -12,7 +12,7 @@ with, for every sample, the completion tokens and TWO per-token log-probabilitie
   `logits / T` (`mu_source`) computes, so compare against this one; the two agree
   exactly when top-k/top-p are off. Temperature is never silently baked in: both say which T.
 
-Shapes are static: prompts are left-padded to a length bucket (`prompt_buckets`, powers of two
+Shapes are static: prompts are left-padded to a length bucket (`prompt_buckets`; 16, 24, 32, 48, …
 by default) and the batch is padded to `batch_size` prompts, so repeated calls with the same
 bucket, batch size, `max_new_tokens`, `n`, `top_k` and top-p on/off reuse one compiled program
 (temperature, the top_p value and stop ids are traced arguments). Each prompt is prefilled
@@ -121,8 +121,12 @@ class GenerationOutput:
 
 
 def default_bucket(length: int, minimum: int = 16) -> int:
-    """Smallest power of two ≥ max(length, minimum)."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(length, 1)))))
+    """Smallest of the powers of two and their halfway points 3·2ᵏ⁻¹ (16, 24, 32, 48, 64, 96,
+    …) ≥ max(length, minimum): padding is at most a third of a row (half with powers of two
+    alone; a 42-token prompt is padded to 48, not 64) for twice the compiled shapes."""
+    n = max(length, minimum, 1)
+    power = 1 << (n - 1).bit_length()  # the smallest power of two ≥ n
+    return power * 3 // 4 if power * 3 // 4 >= n else power
 
 
 class Sampler:
@@ -130,7 +134,7 @@ class Sampler:
     and `logits`). The model is re-read at every call, so training updates are picked up.
 
     batch_size: prompts per compiled batch (rows = batch_size · n); the last batch is padded.
-    prompt_buckets: allowed padded prompt lengths (sorted); None = powers of two ≥ 16.
+    prompt_buckets: allowed padded prompt lengths (sorted); None = `default_bucket`.
     segment_steps: with stop tokens, decode runs in segments of this many steps (default
         max(8, max_new_tokens / 8)); after a segment, once at most half the rows are still
         running, only those rows (padded to a power of two ≥ `min_rows`) go on, so finished

@@ -13,12 +13,14 @@ import pytest
 from flax import nnx
 
 from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.decode_program import first_argmax
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.models.sampler import (
     FINISH_LENGTH,
     FINISH_STOP,
     Sampler,
     SamplingParams,
+    default_bucket,
     process_logits,
 )
 
@@ -184,6 +186,24 @@ def test_process_logits_matches_brute_force_on_random_rows():
         want = np_process(logits, 0.7, top_k, top_p)
         np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
         np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6)
+
+
+def test_first_argmax_is_numpy_argmax_with_ties_nan_and_all_minus_inf_rows():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 4, size=(64, 300)).astype(np.float32)  # many tied maxima per row
+    x[3, :] = -np.inf
+    x[5, [7, 250]] = np.nan  # argmax's convention: the first NaN
+    x[6, 299] = np.inf
+    x[7, :] = 0.0
+    np.testing.assert_array_equal(np.asarray(first_argmax(x)), np.argmax(x, axis=-1))
+
+
+def test_default_buckets_are_powers_of_two_and_their_halfway_points():
+    allowed = sorted(m * 2**k for k in range(3, 12) for m in (2, 3))  # 16, 24, 32, 48, …
+    for length in range(0, 3000):
+        want = next(b for b in allowed if b >= max(length, 16))
+        assert default_bucket(length) == want, length
+    assert default_bucket(42) == 48 and default_bucket(49) == 64
 
 
 def test_stop_tokens_end_a_row(sampler, sampled):
