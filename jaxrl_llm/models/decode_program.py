@@ -84,8 +84,10 @@ def first_argmax(x: Array) -> Array:
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
-def token_logprob(x: Array, token: Array) -> Array:
-    """`log_softmax(x)[token]` per row without materialising the [B, V] log-softmax."""
+def chosen_logprob(x: Array, token: Array) -> Array:
+    """`log_softmax(x)[token]` per row of sampler logits x [B, V], without materialising the
+    [B, V] log-softmax (the trainer's `losses.logprobs.token_logprobs` starts from hidden
+    states and the unembedding instead, chunked over the vocabulary)."""
     picked = jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
     return picked - jax.nn.logsumexp(x, axis=-1)
 
@@ -100,15 +102,15 @@ def sample_step(key: Array, logits: Array, temperature: Array, top_p: Array, row
     logits = logits.astype(jnp.float32)
     if greedy:
         token = first_argmax(logits)
-        raw_lp = token_logprob(logits, token)
+        raw_lp = chosen_logprob(logits, token)
         return token, jnp.zeros_like(raw_lp), raw_lp
     processed = process_logits(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
     noise = jax.random.gumbel(key, (total_rows, logits.shape[-1]), jnp.float32)[row_ids]
     token = first_argmax(processed + noise)
-    lp = token_logprob(processed, token)
+    lp = chosen_logprob(processed, token)
     filtered = use_top_p or 0 < top_k < logits.shape[-1]
     # Without top-k/top-p the processed logits are logits / temperature: the same log-prob.
-    raw_lp = token_logprob(logits / temperature, token) if filtered else lp
+    raw_lp = chosen_logprob(logits / temperature, token) if filtered else lp
     return token, lp, raw_lp
 
 
