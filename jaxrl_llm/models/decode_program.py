@@ -1,5 +1,5 @@
 """The compiled programs behind `models.sampler.Sampler`: prefill, a decode segment, and the
-row selection that drops finished rows between segments.
+row selection that drops finished rows between segments, and the cache growth between windows.
 
 A prompt batch is prefilled once (`prefill`); its n samples per prompt then share that prefill
 (each prompt's cache rows are repeated n times). Decoding runs in segments
@@ -10,6 +10,12 @@ costing compute. Sampling is invariant under that selection: a row's Gumbel nois
 from a draw for the whole original batch at its original row index, i.e. each token is
 `argmax(processed_logits + gumbel(step_key, [rows₀, V])[row])`, which is exactly
 `jax.random.categorical(step_key, processed_logits)` of the full batch.
+
+The cache holds only the slots the current window of steps can fill (`prefill(cache_len=)`,
+then `grow_cache` pads the slot axis with empty slots): a decode step's attention reads every
+slot of the cache it is given, so early steps of a long generation do not pay for the last
+step's context. Empty slots have segment id 0 and are never attended to, so growth changes
+no sample.
 """
 
 from __future__ import annotations
@@ -119,6 +125,17 @@ def _last_logits(model: Any, hidden: Array) -> Array:
     return model.logits(hidden[:, -1:, :])[:, 0, :].astype(jnp.float32)
 
 
+def _map_slots(cache: KVCache, fn) -> KVCache:
+    """`fn(array, axis)` applied to every per-slot buffer of the cache (the slot axis is the
+    last of each key buffer, the second to last of each value buffer: `KVCache`)."""
+    return cache.replace(
+        k=jax.tree.map(lambda a: fn(a, a.ndim - 1), cache.k),
+        v=jax.tree.map(lambda a: fn(a, a.ndim - 2), cache.v),
+        segment_ids=fn(cache.segment_ids, 1),
+        positions=fn(cache.positions, 1),
+    )
+
+
 def _map_rows(cache: KVCache, fn) -> KVCache:
     """`fn(array, axis)` applied to every per-row buffer of the cache (in each k/v buffer,
     stacked or per layer, the row axis is the fourth from the end)."""
@@ -147,12 +164,14 @@ def _layer_kwargs(layer_params: Any) -> dict[str, Any]:
 _STATIC = ("graphdef", "program", "pad_token_id", "return_logits")
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_dtype", "cache_len"))
 def prefill(graphdef, state, layer_params: Any, prompt_tokens: Array, prompt_mask: Array,
             key: Array, temperature: Array, top_p: Array, stop_ids: Array, *,
-            program: Program, pad_token_id: int, cache_dtype, return_logits: bool) -> Carry:
+            program: Program, pad_token_id: int, cache_dtype, return_logits: bool,
+            cache_len: int) -> Carry:
     """Prefill B left-padded prompts once and sample the first token of each of their n
     samples (prompt-major rows). prompt_tokens, prompt_mask [B, P] (mask 0 on left padding).
+    cache_len ≥ P: the cache's slots (decode step s writes slot P + s - 1; `grow_cache`).
 
     Returns the carry: "loop" (step, cache, last token, key, stopped, lengths, next position,
     row_ids) and "out" (tokens / logprobs / raw_logprobs [B·n, max_new] and, with
@@ -161,9 +180,11 @@ def prefill(graphdef, state, layer_params: Any, prompt_tokens: Array, prompt_mas
     chex.assert_equal_shape([prompt_tokens, prompt_mask])
     n, max_new = program.n, program.max_new_tokens
     batch, prompt_len = prompt_tokens.shape
+    if cache_len < prompt_len:
+        raise ValueError(f"cache_len={cache_len} < the prompt's {prompt_len} slots")
     mask = prompt_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-    cache = model.init_cache(batch, prompt_len + max_new, cache_dtype)
+    cache = model.init_cache(batch, cache_len, cache_dtype)
     # Left padding has segment id 0 and is never attended to.
     hidden, cache = model(prompt_tokens, positions=positions, segment_ids=mask, cache=cache,
                           **_layer_kwargs(layer_params))
@@ -246,3 +267,14 @@ def select_rows(carry: Carry, rows: Array) -> Carry:
     loop = dict(loop, cache=_map_rows(loop["cache"], take),
                 **{name: take(loop[name], 0) for name in per_row})
     return dict(loop=loop, out={name: take(buf, 0) for name, buf in carry["out"].items()})
+
+
+@functools.partial(jax.jit, static_argnames=("cache_len",))  # new shapes: nothing to donate
+def grow_cache(carry: Carry, cache_len: int) -> Carry:
+    """The carry with its cache padded to `cache_len` slots (≥ today's) by empty slots."""
+    cache = carry["loop"]["cache"]
+    extra = cache_len - cache.max_len
+    if extra < 0:
+        raise ValueError(f"cannot shrink a cache of {cache.max_len} slots to {cache_len}")
+    pad = lambda a, axis: jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+    return dict(carry, loop=dict(carry["loop"], cache=_map_slots(cache, pad)))

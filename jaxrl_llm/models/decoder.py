@@ -80,8 +80,9 @@ class KVCache:
     (`scan_layers=False`) k and v are tuples of L per-layer arrays [B, Hkv, D, S] / [B, Hkv,
     S, D], so a layer reads its own buffer instead of copying a slice out of the stack.
     Writing past S is not checked inside jit: the caller must keep index + T ≤ S. Attention
-    always spans all S slots (static shapes); k/v are updated with dynamic_update_slice, in place when the cache is a loop
-    carry (`lax.while_loop` / `fori_loop`) or a donated jit argument.
+    always spans all S slots (static shapes; the sampler grows S between windows of steps);
+    k/v are updated with dynamic_update_slice, in place when the cache is a loop carry
+    (`lax.while_loop` / `fori_loop`) or a donated jit argument.
     """
 
     k: Array | tuple[Array, ...]

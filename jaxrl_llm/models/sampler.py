@@ -20,7 +20,9 @@ once and its n samples share that prefill. Decode runs in `lax.while_loop` segme
 early once every row has emitted a stop token; between segments, rows that have finished are
 dropped from the batch once at most half are still running (`Sampler(segment_steps=,
 min_rows=)`, models/decode_program.py), without changing any sample. A finished row's tokens
-are `pad_token_id` and its log-probs 0 after its stop token.
+are `pad_token_id` and its log-probs 0 after its stop token. The KV cache grows in up to
+`cache_windows` steps (`window_ends`): a decode step attends over the slots its window can
+fill, not over prompt + max_new_tokens from the first step.
 
 Determinism: the same `key`, prompts, `batch_size` and params give the same samples (each
 prompt batch uses `fold_in(key, batch_index)`).
@@ -43,6 +45,7 @@ from jaxrl_llm.models.decode_program import (  # noqa: F401 (process_logits re-e
     Program,
     decode_segment,
     fused_layer_params,
+    grow_cache,
     prefill,
     process_logits,
     select_rows,
@@ -129,6 +132,21 @@ def default_bucket(length: int, minimum: int = 16) -> int:
     return power * 3 // 4 if power * 3 // 4 >= n else power
 
 
+def window_ends(max_new_tokens: int, windows: int, min_steps: int = 32) -> list[int]:
+    """The decode steps at which the KV cache grows: window i runs steps up to (not including)
+    `ends[i]` with a cache of P + ends[i] slots (decode step s writes slot P + s - 1; one
+    window is the P + max_new_tokens slots of an unwindowed cache).
+
+    The max_new_tokens - 1 decode steps are split into at most `windows` equal parts of at
+    least `min_steps` steps each (each window is one more compiled decode program; short
+    generations keep one). The last end is max_new_tokens."""
+    if windows < 1:
+        raise ValueError(f"cache_windows={windows} must be >= 1")
+    steps = max_new_tokens - 1
+    count = max(1, min(windows, steps // min_steps))
+    return [1 + -(-i * steps // count) for i in range(1, count + 1)]
+
+
 class Sampler:
     """Generate from an NNX `Decoder` (anything with `init_cache`, `__call__(..., cache=)`
     and `logits`). The model is re-read at every call, so training updates are picked up.
@@ -139,20 +157,25 @@ class Sampler:
         max(8, max_new_tokens / 8)); after a segment, once at most half the rows are still
         running, only those rows (padded to a power of two ≥ `min_rows`) go on, so finished
         rows stop costing compute (`models.decode_program`: the samples do not change).
+    cache_windows: the KV cache grows in up to this many steps (`window_ends`); 1 allocates
+        prompt + max_new_tokens slots at the prefill.
     """
 
     def __init__(self, model: Any, *, pad_token_id: int = 0, batch_size: int = 8,
                  prompt_buckets: Sequence[int] | None = None, cache_dtype: Any = None,
-                 segment_steps: int | None = None, min_rows: int = 4):
+                 segment_steps: int | None = None, min_rows: int = 4, cache_windows: int = 4):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if segment_steps is not None and segment_steps < 1:
             raise ValueError(f"segment_steps={segment_steps} must be >= 1")
         if min_rows < 1:
             raise ValueError(f"min_rows={min_rows} must be >= 1")
+        window_ends(2, cache_windows)  # validates
+        self.cache_windows = int(cache_windows)
         self.segment_steps = segment_steps
         self.min_rows = int(min_rows)
         self.rows_decoded = 0  # Σ over decode steps of the rows computed (reported, tested)
+        self.slots_attended = 0  # Σ over decode steps of rows × cache slots (reported, tested)
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.batch_size = int(batch_size)
@@ -170,22 +193,29 @@ class Sampler:
             f"{self.prompt_buckets[-1]} (prompts are never truncated; add a larger bucket)"
         )
 
-    def _decode(self, carry: dict, params: SamplingParams,
+    def _decode(self, carry: dict, params: SamplingParams, prompt_width: int,
                 run_segment: Callable[[dict, jax.Array], dict]) -> dict[str, np.ndarray]:
-        """Run the decode segments of one prompt batch (`run_segment(carry, until)`); its
-        outputs, one row per sample."""
+        """Run the decode segments of one prompt batch (`run_segment(carry, until)`), growing
+        the cache at each window's end; its outputs, one row per sample."""
         rows0 = self.batch_size * params.n
         max_new = params.max_new_tokens
         segment = max_new if not params.stop_token_ids else (
             self.segment_steps or max(8, math.ceil(max_new / 8)))
+        ends = iter(window_ends(max_new, self.cache_windows))
+        window_end = next(ends)
         current = np.arange(rows0)  # the original row of each row still in the carry
         host: dict[str, np.ndarray] = {}
         step = 1
         while step < max_new:
-            until = min(step + segment, max_new)
+            if step >= window_end:
+                window_end = next(ends)
+                carry = grow_cache(carry, cache_len=prompt_width + window_end)
+            until = min(step + segment, window_end)
             carry = run_segment(carry, jnp.int32(until))
             stopped = np.asarray(carry["loop"]["stopped"])
-            self.rows_decoded += len(current) * (int(carry["loop"]["step"]) - step)
+            done = int(carry["loop"]["step"]) - step
+            self.rows_decoded += len(current) * done
+            self.slots_attended += len(current) * done * (prompt_width + window_end)
             step = int(carry["loop"]["step"])
             if step >= max_new or stopped.all():
                 break
@@ -249,6 +279,7 @@ class Sampler:
         run_segment = lambda carry, until: decode_segment(
             graphdef, state, layer_params, carry, until, temperature, top_p, stop_ids,
             **static, total_rows=self.batch_size * params.n)
+        first_end = window_ends(params.max_new_tokens, self.cache_windows)[0]
         starts = range(0, len(prompts), self.batch_size)
         pieces = []
         for batch_index, start in enumerate(tqdm(starts, desc="generate", unit="batch",
@@ -265,8 +296,9 @@ class Sampler:
             mask[len(chunk):, -1] = 1
             carry = prefill(graphdef, state, layer_params, jnp.asarray(tokens),
                             jnp.asarray(mask), jax.random.fold_in(key, batch_index),
-                            temperature, top_p, stop_ids, cache_dtype=cache_dtype, **static)
-            out = self._decode(carry, params, run_segment)
+                            temperature, top_p, stop_ids, cache_dtype=cache_dtype,
+                            cache_len=width + first_end, **static)
+            out = self._decode(carry, params, width, run_segment)
             keep = len(chunk) * params.n
             pieces.append({k: v[:keep] for k, v in out.items()})
         merged = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}

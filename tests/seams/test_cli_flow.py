@@ -118,6 +118,24 @@ def test_score_writes_mu_and_reference_logprobs(flow):
     np.testing.assert_allclose(mu, behaviour, atol=2e-3)
 
 
+def test_long_generations_through_the_growing_cache_score_like_the_trainer(flow):
+    """100 new tokens: the sampler's KV cache grows twice (windows ending at steps 34 and 67,
+    `sampler.window_ends`); the score pass recomputes every log-prob with the trainer's
+    cache-free forward, so a token attended with a wrongly grown cache would disagree."""
+    jaxrl(flow, "generate", "--config", "flow.yaml", "generate.max_new_tokens=100",
+          "generate.stop_at_eos=false", "generate.output=data/long", "data.num_prompts=8",
+          "generate.n=2")
+    jaxrl(flow, "score", "--config", "flow.yaml", "--records", "data/long", "--out",
+          "data/long-scored")
+    records = read_records(flow / "data" / "long-scored")
+    assert len(records) == 16 and {len(r.completion_ids) for r in records} == {100}
+    mu = np.stack([r.mu_logprobs for r in records])
+    behaviour = np.stack([r.behavior_logprobs for r in records])
+    assert mu.min() < -0.1  # a real forward, not zeros
+    np.testing.assert_allclose(mu[:, 66:], behaviour[:, 66:], atol=2e-3)  # the last window
+    np.testing.assert_allclose(mu, behaviour, atol=2e-3)
+
+
 def _curation(name: str) -> str:
     from jaxrl_llm.losses.registry import loss_spec
 
