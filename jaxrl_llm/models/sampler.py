@@ -20,9 +20,9 @@ once and its n samples share that prefill. Decode runs in `lax.while_loop` segme
 early once every row has emitted a stop token; between segments, rows that have finished are
 dropped from the batch once at most half are still running (`Sampler(segment_steps=,
 min_rows=)`, models/decode_program.py), without changing any sample. A finished row's tokens
-are `pad_token_id` and its log-probs 0 after its stop token. The KV cache grows in up to
-`cache_windows` steps (`window_ends`): a decode step attends over the slots its window can
-fill, not over prompt + max_new_tokens from the first step.
+are `pad_token_id` and its log-probs 0 after its stop token. The KV cache grows between up
+to `cache_windows` windows of steps (`window_ends`): a decode step attends over the slots its
+window can fill, not over prompt + max_new_tokens from the first step.
 
 Determinism: the same `key`, prompts, `batch_size` and params give the same samples (each
 prompt batch uses `fold_in(key, batch_index)`).
@@ -157,8 +157,8 @@ class Sampler:
         max(8, max_new_tokens / 8)); after a segment, once at most half the rows are still
         running, only those rows (padded to a power of two ≥ `min_rows`) go on, so finished
         rows stop costing compute (`models.decode_program`: the samples do not change).
-    cache_windows: the KV cache grows in up to this many steps (`window_ends`); 1 allocates
-        prompt + max_new_tokens slots at the prefill.
+    cache_windows: decode runs in up to this many windows of steps, the KV cache growing
+        between them (`window_ends`); 1 allocates prompt + max_new_tokens slots at the prefill.
     """
 
     def __init__(self, model: Any, *, pad_token_id: int = 0, batch_size: int = 8,
@@ -170,12 +170,15 @@ class Sampler:
             raise ValueError(f"segment_steps={segment_steps} must be >= 1")
         if min_rows < 1:
             raise ValueError(f"min_rows={min_rows} must be >= 1")
-        window_ends(2, cache_windows)  # validates
+        if cache_windows < 1:
+            raise ValueError(f"cache_windows={cache_windows} must be >= 1")
         self.cache_windows = int(cache_windows)
         self.segment_steps = segment_steps
         self.min_rows = int(min_rows)
-        self.rows_decoded = 0  # Σ over decode steps of the rows computed (reported, tested)
-        self.slots_attended = 0  # Σ over decode steps of rows × cache slots (reported, tested)
+        # Diagnostics (the tests read them): Σ over decode steps of the rows computed, and of
+        # rows × the cache slots they attended over.
+        self.rows_decoded = 0
+        self.slots_attended = 0
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.batch_size = int(batch_size)
@@ -194,14 +197,15 @@ class Sampler:
         )
 
     def _decode(self, carry: dict, params: SamplingParams, prompt_width: int,
+                window_steps: list[int],
                 run_segment: Callable[[dict, jax.Array], dict]) -> dict[str, np.ndarray]:
         """Run the decode segments of one prompt batch (`run_segment(carry, until)`), growing
-        the cache at each window's end; its outputs, one row per sample."""
+        the cache at each of `window_steps` (`window_ends`); its outputs, one row per sample."""
         rows0 = self.batch_size * params.n
         max_new = params.max_new_tokens
         segment = max_new if not params.stop_token_ids else (
             self.segment_steps or max(8, math.ceil(max_new / 8)))
-        ends = iter(window_ends(max_new, self.cache_windows))
+        ends = iter(window_steps)
         window_end = next(ends)
         current = np.arange(rows0)  # the original row of each row still in the carry
         host: dict[str, np.ndarray] = {}
@@ -279,7 +283,7 @@ class Sampler:
         run_segment = lambda carry, until: decode_segment(
             graphdef, state, layer_params, carry, until, temperature, top_p, stop_ids,
             **static, total_rows=self.batch_size * params.n)
-        first_end = window_ends(params.max_new_tokens, self.cache_windows)[0]
+        windows = window_ends(params.max_new_tokens, self.cache_windows)
         starts = range(0, len(prompts), self.batch_size)
         pieces = []
         for batch_index, start in enumerate(tqdm(starts, desc="generate", unit="batch",
@@ -297,8 +301,8 @@ class Sampler:
             carry = prefill(graphdef, state, layer_params, jnp.asarray(tokens),
                             jnp.asarray(mask), jax.random.fold_in(key, batch_index),
                             temperature, top_p, stop_ids, cache_dtype=cache_dtype,
-                            cache_len=width + first_end, **static)
-            out = self._decode(carry, params, width, run_segment)
+                            cache_len=width + windows[0], **static)
+            out = self._decode(carry, params, width, windows, run_segment)
             keep = len(chunk) * params.n
             pieces.append({k: v[:keep] for k, v in out.items()})
         merged = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}

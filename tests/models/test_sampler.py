@@ -253,3 +253,5 @@ def test_bad_arguments_are_clear_errors(sampler):
         sampler.generate([[1], [VOCAB + 3]], SamplingParams(max_new_tokens=2), jax.random.key(0))
     with pytest.raises(ValueError, match=r"prompts\[0\] is empty"):
         sampler.generate([[]], SamplingParams(max_new_tokens=2), jax.random.key(0))
+    with pytest.raises(ValueError, match="cache_windows=0 must be >= 1"):
+        Sampler(sampler.model, cache_windows=0)
