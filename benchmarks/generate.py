@@ -166,8 +166,10 @@ def decode_matmul_rates(rows: int, threads: int, repeats: int = 9) -> dict[str, 
     token rows through SmolLM2-135M's 30 gate/up [576, 3072] and down [1536, 576] weights
     (212 MB, streamed from memory as in decode). Median of `repeats` after one warm-up."""
     import torch
+    from gpu_train_step import SHAPES  # benchmarks/, this script's directory
 
-    d, f, layers = 576, 1536, 30
+    shape = SHAPES["smollm2_135m"]
+    d, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_layers"]
     rng = np.random.default_rng(0)
     weights = [(rng.standard_normal((d, 2 * f), np.float32) * 0.02,
                 rng.standard_normal((f, d), np.float32) * 0.02) for _ in range(layers)]
@@ -193,8 +195,9 @@ def decode_matmul_rates(rows: int, threads: int, repeats: int = 9) -> dict[str, 
 def _write(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
-    def optional(r: dict, key: str, fmt: str) -> str:
-        return format(r[key], fmt) if key in r else "—"
+
+    def optional(r: dict, key: str, fmt: str, unit: str = "") -> str:  # "—": row lacks it
+        return format(r[key], fmt) + unit if key in r else "—"
 
     table = [
         "| batch | new tokens | ours tok/s | transformers tok/s | speedup | transformers, "
@@ -203,7 +206,7 @@ def _write(args: argparse.Namespace, meta: dict, rows: list[dict]) -> None:
         *(f"| {r['batch']} | {r['new_tokens']} | {r['ours_tokens_per_s']:.1f} | "
           f"{r['torch_tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
           f"{optional(r, 'torch_static_tokens_per_s', '.1f')} | "
-          f"{optional(r, 'speedup_vs_static', '.2f')}{'×' if 'speedup_vs_static' in r else ''} | "
+          f"{optional(r, 'speedup_vs_static', '.2f', '×')} | "
           f"{optional(r, 'ours_all_rows_tokens_per_s', '.1f')} | "
           f"{r['load_average'][0]:.0f}–{r['load_average'][1]:.0f} |" for r in rows),
     ]
