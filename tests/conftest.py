@@ -1,4 +1,4 @@
-"""Test-wide set-up: CPU only, 8 fake host devices for the sharding tests.
+"""Test-wide set-up: CPU only, 8 fake host devices for the sharding tests, fast compiles.
 
 XLA reads these flags once, when jax is first imported, so they are set here, before any test
 module imports jax. Single-device tests are unaffected (arrays live on device 0).
@@ -6,16 +6,22 @@ module imports jax. Single-device tests are unaffected (arrays live on device 0)
 
 import os
 
+from hypothesis import settings  # imports no jax
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+_FLAGS = {
+    "xla_force_host_platform_device_count": "8",
+    # The tests' tiny models spend most of their time compiling: LLVM's cheapest optimisation
+    # level compiles ~3.5x faster here and the default run drops from ~12 to ~8 minutes. Dots
+    # still call the same GEMM libraries; set the flag yourself to test other levels.
+    "xla_backend_optimization_level": "0",
+}
+for _name, _value in _FLAGS.items():
+    if _name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
 
 # Property tests draw the same examples on every run, so CI results are reproducible; set
 # HYPOTHESIS_PROFILE=explore for fresh random draws when hunting for bugs.
-from hypothesis import settings
-
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -33,8 +33,13 @@ def numpy_logprobs(model: Decoder, record: Record, temperature: float) -> np.nda
     """log_softmax(logits / T) in float64 numpy, at the completion tokens of one record."""
     tokens = np.concatenate([record.prompt_ids, record.completion_ids])
     n = tokens.size - 1
-    hidden = model(tokens[None, :-1], positions=np.arange(n)[None], segment_ids=np.ones((1, n), np.int32))
-    z = np.asarray(model.logits(hidden), np.float64)[0] / temperature
+    # Trailing filler up to a multiple of 32 keeps one input shape (one compile for every record);
+    # causal attention leaves the first n positions' logits unchanged by what follows them.
+    width = -(-n // 32) * 32
+    inputs = np.zeros((1, width), np.int32)
+    inputs[0, :n] = tokens[:-1]
+    hidden = model(inputs, positions=np.arange(width)[None], segment_ids=np.ones((1, width), np.int32))
+    z = np.asarray(model.logits(hidden), np.float64)[0, :n] / temperature
     z = z - z.max(-1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
     return logp[np.arange(n), tokens[1:]][record.prompt_ids.size - 1 :]

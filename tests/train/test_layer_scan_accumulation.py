@@ -44,8 +44,9 @@ def _grads(loss: str, *, fsdp: int = 1, in_scan: bool, micro: int | None,
     loss_and_grad = make_loss_and_grad(config, mesh, state)
     batch = global_batch(make_batch(), mesh)
     fn = jax.jit(lambda s, b: loss_and_grad(s.params, s, b)[:2])
-    temp = fn.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-    grads, total = fn(state, batch)
+    compiled = fn.lower(state, batch).compile()  # run this one: calling `fn` would compile again
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    grads, total = compiled(state, batch)
     flat = {jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_leaves_with_path(grads)}
     return flat, float(total), temp
