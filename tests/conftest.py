@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _FLAGS = {
     "xla_force_host_platform_device_count": "8",
     # The tests' tiny models spend most of their time compiling: LLVM's cheapest optimisation
-    # level compiles ~3.5x faster here and the default run drops from ~12 to 8-9 minutes. Dots
+    # level compiles ~3.5x faster here and the default run drops from ~12 to 8-10 minutes. Dots
     # still call the same GEMM libraries; set the flag yourself to test other levels.
     "xla_backend_optimization_level": "0",
 }
