@@ -33,8 +33,9 @@ def numpy_logprobs(model: Decoder, record: Record, temperature: float) -> np.nda
     """log_softmax(logits / T) in float64 numpy, at the completion tokens of one record."""
     tokens = np.concatenate([record.prompt_ids, record.completion_ids])
     n = tokens.size - 1
-    # Trailing filler up to a multiple of 32 keeps one input shape (one compile for every record);
-    # causal attention leaves the first n positions' logits unchanged by what follows them.
+    # Trailing filler up to a multiple of 32: one input shape, so one compile, for all records up to
+    # 33 tokens (these tests' are shorter); causal attention leaves the first n positions' logits
+    # unchanged by what follows them.
     width = -(-n // 32) * 32
     inputs = np.zeros((1, width), np.int32)
     inputs[0, :n] = tokens[:-1]
