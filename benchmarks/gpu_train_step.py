@@ -5,10 +5,11 @@ Shapes: SmolLM2-135M, Qwen2.5-0.5B and Qwen2.5-1.5B (random weights), batches 8�
 8×4096, TOPR loss (TOPR arXiv:2503.14286 eq. 11, taper form) with AdamW and global-norm
 clipping. Reported per case: median step time over `--steps` timed steps after a warm-up,
 tokens/s, the JAX / PyTorch ratio, and MFU = (6·N·tokens + causal attention FLOPs) / step time
-/ the chip's dense bf16 peak (`PEAKS`, by device name). Each framework runs in its own child
+/ the chip's dense bf16 peak (`PEAKS`, by device name), and `mfu_primerl_formula` with prime-rl's
+6·N + 12·L·H·d·T FLOPs per token (attention counted over all T keys). Each framework runs in its own child
 process (memory). Writes benchmarks/results/gpu_train_step_<device>.json.
 
-    python benchmarks/gpu_train_step.py [--shapes smollm2_135m qwen25_05b qwen25_15b]
+    python benchmarks/gpu_train_step.py [--shapes smollm2_135m qwen25_05b qwen25_15b qwen3_06b]
         [--batches 8x1024 8x4096] [--steps 5] [--remat none|full|dots]
 
 `--smoke` runs a tiny shape on whatever device is present (CPU included) to check the script.
@@ -36,6 +37,10 @@ SHAPES = {
     "qwen25_15b": dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                        num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True),
+    # prime-rl's trainer benchmark model (Qwen3-0.6B: q/k RMSNorm, no q/k/v bias).
+    "qwen3_06b": dict(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                      num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True),
     "tiny": dict(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                  rms_norm_eps=1e-5, tie_embeddings=True),
@@ -58,6 +63,12 @@ def numpy_batch(b: int, t: int, vocab: int) -> dict[str, np.ndarray]:
 def attention_flops(shape: dict, b: int, t: int) -> float:
     """Causal QKᵀ and PV, forward + backward: 3 · 2 matmuls · 2·Hq·D·(t/2) per token."""
     return 3 * 4 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"] * (t / 2) * b * t
+
+
+def primerl_flops_per_token(shape: dict, n_params: int, t: int) -> float:
+    """The FLOPs per token prime-rl's trainer benchmark divides by: 6·N + 12·L·H·d·T
+    (every query attending to all T keys, forward + backward)."""
+    return 6 * n_params + 12 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"] * t
 
 
 def run_jax(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
@@ -105,10 +116,18 @@ def run_jax(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
 def hf_model(shape: dict, max_positions: int, **config: object):
     """transformers' model of a `SHAPES` entry, random weights (seed 0), sdpa attention."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    cls, cfg_cls = ((Qwen2ForCausalLM, Qwen2Config) if shape["family"] == "qwen2"
-                    else (LlamaForCausalLM, LlamaConfig))
+    cls, cfg_cls = {"qwen2": (Qwen2ForCausalLM, Qwen2Config),
+                    "qwen3": (Qwen3ForCausalLM, Qwen3Config)}.get(
+                        shape["family"], (LlamaForCausalLM, LlamaConfig))
     cfg = cfg_cls(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
                   intermediate_size=shape["intermediate_size"],
                   num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
@@ -174,6 +193,18 @@ def child(framework: str, shape_name: str, b: int, t: int, args) -> dict:
             "times_s": times, "device": device}
 
 
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("jax", "jaxlib", "flax", "optax", "torch", "transformers"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["smollm2_135m", "qwen25_05b", "qwen25_15b"])
@@ -227,6 +258,9 @@ def main() -> None:
                 peak = next((p for k, p in PEAKS.items() if k in res["device"]), None)
                 res["tokens_per_s"] = tokens / res["median_s"]
                 res["mfu"] = None if peak is None else flops / res["median_s"] / peak
+                pr_flops = primerl_flops_per_token(SHAPES[name], res["params"], t) * tokens
+                res["mfu_primerl_formula"] = (None if peak is None
+                                              else pr_flops / res["median_s"] / peak)
                 row[fw] = res
             if "tokens_per_s" in row.get("jax", {}) and "tokens_per_s" in row.get("torch", {}):
                 row["jax_over_torch"] = row["jax"]["tokens_per_s"] / row["torch"]["tokens_per_s"]
@@ -237,7 +271,8 @@ def main() -> None:
     out = Path(args.out or Path(__file__).parent / "results" /
                f"gpu_train_step_{device.replace(' ', '_')}.json")
     if not args.smoke:
-        out.write_text(json.dumps({"device": device, "remat": args.remat, "rows": rows},
+        out.write_text(json.dumps({"device": device, "remat": args.remat,
+                                   "versions": versions(), "rows": rows},
                                   indent=2) + "\n")
         print(f"wrote {out}")
 

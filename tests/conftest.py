@@ -9,6 +9,9 @@ import os
 from hypothesis import settings  # imports no jax
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# float32 dots at full precision: a GPU run (JAX_PLATFORMS=cuda) otherwise uses TF32, and the
+# float32 tolerances below fail there (7 attention tests on an H100); no effect on CPU.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 _FLAGS = {
     "xla_force_host_platform_device_count": "8",
     # The tests' tiny models spend most of their time compiling: LLVM's cheapest optimisation
