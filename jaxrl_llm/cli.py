@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(args._module)
     from jaxrl_llm.data.records import RecordError
     from jaxrl_llm.errors import ConfigError, ModelFileError
-    from jaxrl_llm.train.preemption import EXIT_PREEMPTED, Preempted
+    from jaxrl_llm.signals import EXIT_SIGINT, Interrupted, exit_code, last_signal
+    from jaxrl_llm.train.preemption import Preempted
 
     try:
         if args.command in DEVICE_COMMANDS:
@@ -75,9 +76,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, RecordError, ModelFileError, FileNotFoundError) as err:
         print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
         return 2
-    except Preempted as err:  # SIGTERM: checkpointed; exits as `train` does, re-run to resume
+    except Preempted as err:  # SIGTERM / Ctrl-C: checkpointed; exits as `train` does
         print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return exit_code(last_signal())
+    except Interrupted as err:  # generate / score stopped at a batch boundary (signals.py)
+        print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside a stage's safe points: nothing half-written
+        print(f"jaxrl-llm {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_SIGINT
     return int(code or 0)
 
 

@@ -64,11 +64,44 @@ class ModelConfig(Section):
     # master weights; the log-prob kernel's log-softmax is fp32), float32 on CPU.
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
-    scan_layers: bool = False
+    # Default by source (`_memory_sane_defaults`): pretrained sources scan the layers and
+    # rematerialise them (full), random models neither. Measured by `plan` for SmolLM2-135M at
+    # 4×768 tokens on CPU: 13.9 GiB peak unrolled, 3.5 GiB scanned with remat=full.
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = Field(
+        "none", description="activation rematerialisation of each layer in the backward pass "
+        "(needs scan_layers); default: full for pretrained sources (hf, gguf, smollm2), none "
+        "for random")
+    scan_layers: bool = Field(
+        False, description="run the layers under one jax.lax.scan (stacked weights); default: "
+        "true for pretrained sources, false for random")
     lora: LoraConfig | None = None  # None: full fine-tuning
     # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU.
     attention: Literal["auto", "jnp", "xla", "cudnn", "splash"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _memory_sane_defaults(cls, data: Any) -> Any:
+        """Unset remat / scan_layers: full + scanned for pretrained weights (a real model's
+        activations dominate memory), none + unrolled for random (tiny test) models."""
+        if isinstance(data, Mapping):
+            pretrained = data.get("source", "random") != "random"
+            data = dict(data)
+            if data.get("scan_layers") is None:
+                data["scan_layers"] = pretrained
+            if data.get("remat") is None:
+                data["remat"] = "full" if pretrained and data["scan_layers"] is True else "none"
+        return data
+
+    @model_validator(mode="after")
+    def _remat_needs_scan(self) -> ModelConfig:
+        # Unrolled, XLA schedules the recomputed layers early and keeps the activations anyway
+        # (plan, SmolLM2-135M at 4×768 on CPU: 13.4 GiB with remat=full vs 13.9 without).
+        if self.remat != "none" and not self.scan_layers:
+            raise ValueError(
+                f"model.remat={self.remat} saves no memory with model.scan_layers=false (the "
+                "compiler keeps every layer's activations when the layers are unrolled): set "
+                "model.scan_layers=true, or model.remat=none")
+        return self
 
 
 class LossConfig(Section):
@@ -219,6 +252,9 @@ class TrainConfig(Section):
     accumulate_in_layer_scan: bool = True
     # Debug: log each step's consumed records to run_dir/record_trace.jsonl (train/record_trace.py).
     record_trace: bool = False
+    # Before step 1, compare the compiled step's peak memory with the memory left and pick
+    # micro-batches or refuse with the figure (parallel/memory.py); false starts anyway.
+    check_memory: bool = True
 
     @model_validator(mode="after")
     def _micro_divides(self) -> TrainConfig:

@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
+    from jaxrl_llm.signals import exit_code, signal_name
     from jaxrl_llm.train.nonfinite import NonFiniteError
-    from jaxrl_llm.train.preemption import EXIT_PREEMPTED
     from jaxrl_llm.train.trainer import Trainer
 
     config = load_experiment_config(args.config, args.overrides)
@@ -32,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
     if result.stopped:
-        print(f"stopped by SIGTERM at step {result.step}; checkpoint in {result.checkpoint_dir}")
-        return EXIT_PREEMPTED
+        print(f"stopped by {signal_name(result.stop_signal)} at step {result.step}; checkpoint "
+              f"in {result.checkpoint_dir}; run the same command to resume")
+        return exit_code(result.stop_signal)
     print(f"trained {result.step} steps; checkpoints {result.checkpoint_dir}; "
           f"metrics {result.metrics_path}")
     return 0

@@ -42,23 +42,42 @@ class Graded:
 def sample_and_grade(
     model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
-    chat_template: bool = False,
+    chat_template: bool = False, progress: bool = True,
 ) -> Graded:
-    """n samples per problem from the JAX sampler, decoded and scored by the task."""
+    """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
+    counts the questions (`jaxrl_llm/progress.py`); Ctrl-C stops after a prompt batch."""
     import jax
 
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
+    from jaxrl_llm.generate.fit import fit_sampler_batch
     from jaxrl_llm.generate.jax_backend import sample_completions
-    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+    from jaxrl_llm.models.sampler import Sampler, SamplingParams, default_bucket
+    from jaxrl_llm.progress import progress_bar
+    from jaxrl_llm.signals import StopSignals
 
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n,
                             stop_token_ids=() if eos is None else (int(eos),))
-    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
     prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
-    completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed))
+    batch_size = fit_sampler_batch(model, batch_size=batch_size, n=n, max_new_tokens=max_new_tokens,
+                                   prompt_len=default_bucket(max(map(len, prompt_ids), default=1)),
+                                   key="eval.batch_size")
+    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
+    bar = progress_bar(len(problems), desc=f"evaluate {getattr(task, 'name', '')}".strip(),
+                       unit="question", enabled=progress and jax.process_index() == 0)
+    with StopSignals(what="the current batch of questions") as stop:
+
+        def done(count: int) -> None:
+            bar.update(count)
+            stop.check("evaluate")
+
+        try:
+            completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed),
+                                             on_batch=done)
+        finally:
+            bar.close()
     texts = [tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
              for c in completions]
     results = task.score_many([problems[c.prompt_index] for c in completions], texts)

@@ -1,8 +1,11 @@
 """Generation with the project's own KV-cache sampler (`models/sampler.py`), on any JAX device.
 
 Prompts are processed in chunks of `chunk_prompts`; each chunk is sampled (n per prompt),
-scored by the task and appended to the record shards, so progress is visible (tqdm) and a
-long run writes as it goes.
+scored by the task and appended to the record shards. The progress bar counts prompts and
+moves after every prompt batch (`jaxrl_llm/progress.py`). Before sampling, the prompt batch
+is fitted to the memory left (`generate/fit.py`). Ctrl-C or SIGTERM stops after the current
+prompt batch (`jaxrl_llm/signals.py`): the directory stays without a manifest, so readers
+refuse it and re-running the command writes it again.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxrl_llm.data.shards import Manifest, SamplingInfo, ShardWriter
 from jaxrl_llm.generate.completions import (
@@ -25,9 +27,11 @@ from jaxrl_llm.generate.completions import (
 from jaxrl_llm.tasks.base import Problem, Task
 
 
-def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params: Any, key: jax.Array) -> list[Completion]:
-    """Run the sampler; one `Completion` per (prompt, sample)."""
-    out = sampler.generate(prompt_ids, params, key)
+def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params: Any,
+                       key: jax.Array, on_batch: Any = None) -> list[Completion]:
+    """Run the sampler; one `Completion` per (prompt, sample). `on_batch(prompts)` runs after
+    each prompt batch (`Sampler.generate`)."""
+    out = sampler.generate(prompt_ids, params, key, on_batch=on_batch)
     completions = []
     for row in range(out.tokens.shape[0]):
         n = int(out.lengths[row])
@@ -64,15 +68,21 @@ def generate_records(
     progress: bool = True,
 ) -> Manifest:
     """Sample `n` completions per problem and write scored records to `out_dir`."""
-    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+    from jaxrl_llm.generate.fit import fit_sampler_batch
+    from jaxrl_llm.models.sampler import Sampler, SamplingParams, default_bucket
+    from jaxrl_llm.progress import progress_bar
+    from jaxrl_llm.signals import StopSignals
 
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())
     pad = getattr(tokenizer, "pad_token_id", None)
-    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
     prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
+    batch_size = fit_sampler_batch(model, batch_size=batch_size, n=n, max_new_tokens=max_new_tokens,
+                                   prompt_len=default_bucket(max(map(len, prompt_ids), default=1)),
+                                   key="generate.batch_size")
+    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
     chunk = chunk_prompts or batch_size * 4
     key = jax.random.key(seed)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -83,12 +93,22 @@ def generate_records(
         sampling=SamplingInfo(backend="jax", temperature=temperature, top_p=top_p, top_k=top_k,
                               max_new_tokens=max_new_tokens, n=n, seed=seed),
         extra=sampler_logprob_info(backend="jax", temperature=temperature, top_k=top_k, top_p=top_p),
-    ) as writer:
-        for c, start in enumerate(tqdm(range(0, len(problems), chunk), desc=f"generate {task.name}",
-                                       unit="chunk", disable=not progress)):
-            sub = slice(start, start + chunk)
-            completions = sample_completions(sampler, prompt_ids[sub], params, jax.random.fold_in(key, c))
-            writer.write_all(build_records(task, problems[sub], prompt_ids[sub], completions, tokenizer,
-                                           group_offset=start, prompts=prompts[sub]))
+    ) as writer, StopSignals(what="the current prompt batch") as stop:
+        bar = progress_bar(len(problems), desc=f"generate {task.name}", unit="prompt",
+                           enabled=progress)
+
+        def done(count: int) -> None:
+            bar.update(count)
+            stop.check("generate")  # before the rest of the chunk; the writer stays unfinished
+
+        try:
+            for c, start in enumerate(range(0, len(problems), chunk)):
+                sub = slice(start, start + chunk)
+                completions = sample_completions(sampler, prompt_ids[sub], params,
+                                                 jax.random.fold_in(key, c), on_batch=done)
+                writer.write_all(build_records(task, problems[sub], prompt_ids[sub], completions,
+                                               tokenizer, group_offset=start, prompts=prompts[sub]))
+        finally:
+            bar.close()
         writer.manifest.extra["task_metrics"] = task.metrics()
     return writer.manifest

@@ -147,6 +147,19 @@ def window_ends(max_new_tokens: int, windows: int, min_steps: int = 32) -> list[
     return [1 + -(-i * steps // count) for i in range(1, count + 1)]
 
 
+def sampling_bytes(config: Any, *, prompts: int, n: int, prompt_len: int, max_new_tokens: int,
+                   cache_itemsize: int = 4) -> int:
+    """Estimated bytes one prompt batch adds to the resident weights: the KV cache of its
+    prompts × n rows at its full length, twice (growing a window copies the cache), plus the
+    prefill's widest temporaries (one layer's attention scores and MLP activations) and three
+    float32 [rows, V] logit buffers (logits, probabilities, top-p's sort)."""
+    rows, slots = prompts * n, prompt_len + max_new_tokens
+    kv = 2 * rows * config.num_layers * config.num_kv_heads * config.head_dim * slots * cache_itemsize
+    prefill = 4 * prompts * prompt_len * (config.num_heads * prompt_len
+                                          + 3 * config.intermediate_size)
+    return 2 * kv + prefill + 3 * 4 * rows * config.vocab_size
+
+
 class Sampler:
     """Generate from an NNX `Decoder` (anything with `init_cache`, `__call__(..., cache=)`
     and `logits`). The model is re-read at every call, so training updates are picked up.
@@ -252,11 +265,13 @@ class Sampler:
         return jnp.dtype(getattr(config, "compute_jnp_dtype", jnp.float32))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, key: Array,
-                 *, progress: bool = False, return_logits: bool = False) -> GenerationOutput:
+                 *, progress: bool = False, return_logits: bool = False,
+                 on_batch: Callable[[int], None] | None = None) -> GenerationOutput:
         """Sample `params.n` completions for every prompt (token id lists, no padding).
 
         `return_logits` also returns every step's unprocessed logits (tests and debugging:
-        memory N × max_new × V floats).
+        memory N × max_new × V floats). `on_batch(prompts)` is called after each prompt batch
+        with its number of prompts (progress bars, stop checks).
         """
         prompts = [list(map(int, p)) for p in prompts]
         if not prompts:
@@ -305,6 +320,8 @@ class Sampler:
             out = self._decode(carry, params, width, windows, run_segment)
             keep = len(chunk) * params.n
             pieces.append({k: v[:keep] for k, v in out.items()})
+            if on_batch is not None:
+                on_batch(len(chunk))
         merged = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
         count = len(prompts) * params.n
         return GenerationOutput(

@@ -4,7 +4,7 @@ A multi-host job must stop at one step everywhere: a host that leaves the loop t
 while another enters the next train step waits forever in mismatched collectives. So the
 decision goes through a sync point:
 
-- one process: SIGTERM sets a flag (a Python handler), read after each step;
+- one process: SIGTERM or Ctrl-C sets a flag (a Python handler), read after each step;
 - several processes with JAX's preemption sync manager (started by
   `jax.distributed.initialize`, on by default: `jax_enable_preemption_service`): JAX catches
   SIGTERM itself (a C++ handler), tells every host through the coordination service, and
@@ -21,17 +21,14 @@ process at the same step (hooks run the same program everywhere).
 
 from __future__ import annotations
 
-import signal
-import threading
-from typing import Any
-
 LOCAL, JAX_SYNC, ALLGATHER = "local", "jax_sync_point", "allgather"
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect of a job stopped by SIGTERM
 
 
 class Preempted(Exception):
-    """A command's training stage stopped on SIGTERM after checkpointing (`iterate`,
-    `quickstart`): the command exits with `EXIT_PREEMPTED`; re-running it resumes."""
+    """A command's training stage stopped on SIGTERM or Ctrl-C after checkpointing
+    (`iterate`, `quickstart`): the command exits 143 (SIGTERM) or 130 (Ctrl-C,
+    `signals.last_signal`); re-running it resumes."""
 
 
 def sync_mode() -> str:
@@ -48,43 +45,45 @@ def sync_mode() -> str:
 
 class StopSync:
     """The stop decision of one training loop: `install()` before it, `should_stop(step)`
-    after every step on every process, `uninstall()` after it."""
+    after every step on every process, `uninstall()` after it. SIGTERM and Ctrl-C (SIGINT)
+    both stop it (`jaxrl_llm/signals.py`), except in JAX_SYNC mode, where JAX handles SIGTERM
+    and a Ctrl-C on one host alone keeps Python's default."""
 
     def __init__(self, mode: str | None = None) -> None:
+        from jaxrl_llm.signals import STOP_SIGNALS, StopSignals
+
         self.mode = mode if mode is not None else sync_mode()
-        self._local = threading.Event()
-        self._previous: Any = None
-        self._installed = False
+        self._signals = StopSignals(() if self.mode == JAX_SYNC else STOP_SIGNALS,
+                                    what="the current step and its checkpoint")
 
     def request(self) -> None:
-        self._local.set()
+        self._signals.request()
 
     def is_set(self) -> bool:
         """Whether this process was asked to stop (not yet agreed with the others)."""
-        return self._local.is_set()
+        return self._signals.signum is not None
+
+    @property
+    def signum(self) -> int | None:
+        """The signal that stopped this process (None: a request, or JAX's preemption)."""
+        return self._signals.signum
 
     def install(self) -> None:
-        """Route SIGTERM to the flag (main thread only; elsewhere signals cannot be handled).
-        In JAX_SYNC mode JAX's own handler stays in place."""
-        if self.mode == JAX_SYNC or threading.current_thread() is not threading.main_thread():
-            return
-        self._previous = signal.signal(signal.SIGTERM, lambda signum, frame: self._local.set())
-        self._installed = True
+        """Route the stop signals to the flag (main thread only)."""
+        self._signals.install()
 
     def uninstall(self) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        self._signals.uninstall()
 
     def should_stop(self, step: int) -> bool:
         """True on every process at the same `step` once any process got SIGTERM/request."""
         if self.mode == LOCAL:
-            return self._local.is_set()
+            return self.is_set()
         from jax.experimental import multihost_utils
 
         if self.mode == JAX_SYNC:
-            return multihost_utils.reached_preemption_sync_point(step) or self._local.is_set()
+            return multihost_utils.reached_preemption_sync_point(step) or self.is_set()
         import numpy as np
 
-        flags = multihost_utils.process_allgather(np.asarray([self._local.is_set()], np.int32))
+        flags = multihost_utils.process_allgather(np.asarray([self.is_set()], np.int32))
         return bool(np.any(flags))

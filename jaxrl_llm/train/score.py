@@ -36,13 +36,14 @@ import jax
 import numpy as np
 from etils import epath
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
 
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import Manifest, RecordSource, write_manifest, write_shard
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.sampler import default_bucket
+from jaxrl_llm.progress import progress_bar
+from jaxrl_llm.signals import STOP_SIGNALS, StopSignals
 from jaxrl_llm.train.mismatch import NUM_MISMATCH_STATS, Mismatch, compared_logprobs
 from jaxrl_llm.train.scorer import (  # noqa: F401 (re-exported: BATCH_SIZE_KEY, make_scorer, score_batch)
     BATCH_SIZE_KEY,
@@ -228,30 +229,41 @@ def score_records(
     for s in plan.empty:
         write_shard(out, source.manifest.shards[s]["path"], [], vocab_size=manifest.vocab_size)
     lengths = _lockstep_lengths([w.length for w in plan.work])
+    if lengths:  # the longest batch compiled first: refused if it would not fit
+        scorer.check_memory(batch_size, max(lengths))
     mismatch = Mismatch()
     scored: list[Record] = []
-    bar = tqdm(total=plan.records, desc="score", unit="rec",
-               disable=not progress or jax.process_index() != 0)
-    for step, length in enumerate(lengths):
-        work = plan.work[step] if step < len(plan.work) else None
-        records = source.__getitems__(list(work.indices)) if work is not None else []
-        for record, (mu, ref) in zip(records, score_batch(scorer, records, local_rows, length), strict=True):
-            record = record.replace(mu_logprobs=mu, ref_logprobs=ref)
-            pair = compare.pair(record, mu, ref)
-            if pair is not None and pair[0].size:
-                seq_diff = mismatch.add(*pair)
-                if max_mismatch is not None and abs(seq_diff) > max_mismatch:
-                    mismatch.count("dropped" if drop_mismatched else "flagged")
-                    if drop_mismatched:
-                        continue
-                    record = _flag(record, seq_diff, max_mismatch)
-            scored.append(record)
-        bar.update(len(records))
-        if work is not None and work.last:
-            write_shard(out, source.manifest.shards[work.shard]["path"], scored,
-                        vocab_size=manifest.vocab_size)
-            scored = []
-    bar.close()
+    bar = progress_bar(plan.records, desc="score", unit="record",
+                       enabled=progress and jax.process_index() == 0)
+    # Ctrl-C / SIGTERM: stop after the batch; complete shards stay and a re-run skips them.
+    # Several processes score in lockstep and cannot stop apart: they keep the defaults.
+    stop = StopSignals(STOP_SIGNALS if jax.process_count() == 1 else (),
+                       what="the current batch (complete shards are kept)")
+    stop.install()
+    try:
+        for step, length in enumerate(lengths):
+            stop.check("score")
+            work = plan.work[step] if step < len(plan.work) else None
+            records = source.__getitems__(list(work.indices)) if work is not None else []
+            for record, (mu, ref) in zip(records, score_batch(scorer, records, local_rows, length), strict=True):
+                record = record.replace(mu_logprobs=mu, ref_logprobs=ref)
+                pair = compare.pair(record, mu, ref)
+                if pair is not None and pair[0].size:
+                    seq_diff = mismatch.add(*pair)
+                    if max_mismatch is not None and abs(seq_diff) > max_mismatch:
+                        mismatch.count("dropped" if drop_mismatched else "flagged")
+                        if drop_mismatched:
+                            continue
+                        record = _flag(record, seq_diff, max_mismatch)
+                scored.append(record)
+            bar.update(len(records))
+            if work is not None and work.last:
+                write_shard(out, source.manifest.shards[work.shard]["path"], scored,
+                            vocab_size=manifest.vocab_size)
+                scored = []
+    finally:
+        bar.close()
+        stop.uninstall()
     stats = _global_stats(np.append(mismatch.stats(), len(plan.skipped)))
     metrics = {**Mismatch.combine(stats[:, :NUM_MISMATCH_STATS]),
                "score/skipped_shards": float(stats[:, NUM_MISMATCH_STATS].sum())}

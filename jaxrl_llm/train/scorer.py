@@ -116,6 +116,27 @@ class Scorer:
 
         self._score = jax.jit(score, out_shardings=(self.rows, self.rows))
 
+    def check_memory(self, batch_size: int, length: int) -> None:
+        """Compile the pass for its largest batch (`batch_size` global rows of `length`
+        tokens: jit's cache keeps it for the calls) and refuse it when it would not fit in the
+        memory left (`parallel/memory.py`), naming `generate.score_batch_size`."""
+        from jaxrl_llm.parallel.memory import (
+            InsufficientMemory,
+            available_memory,
+            describe,
+            fits,
+            program_memory,
+        )
+
+        spec = jax.ShapeDtypeStruct((batch_size, length), np.int32, sharding=self.rows)
+        compiled = self._score.lower(self.params, self.model_state, *[spec] * 4).compile()
+        memory = program_memory(compiled, self.mesh)
+        available = available_memory(self.mesh.devices.flat[0])
+        if not fits(memory, available):
+            raise InsufficientMemory(
+                f"{describe('the score pass', memory, available)}. It would be killed for lack "
+                f"of memory, so it was not started: lower {BATCH_SIZE_KEY} (now {batch_size})")
+
     def __call__(self, inputs: np.ndarray, targets: np.ndarray, positions: np.ndarray,
                  segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         local = inputs.shape[0]

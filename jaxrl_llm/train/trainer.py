@@ -14,8 +14,8 @@
   parameters as an uninterrupted one (deterministic given the seeds).
 - Resume: a `Trainer` whose `run_dir/checkpoints` holds a committed checkpoint continues
   from the latest one.
-- SIGTERM (preemption): the loop finishes the current step, checkpoints, and returns with
-  `stopped=True` (the `train` command then exits with 143). With several processes the stop
+- SIGTERM (preemption) or Ctrl-C: the loop finishes the current step, checkpoints, and
+  returns with `stopped=True` (the `train` command then exits with 143, or 130 for Ctrl-C). With several processes the stop
   step is agreed through a sync point (`train/preemption.py`), so all hosts save together.
 - Non-finite steps are skipped by the step itself; `train.max_nonfinite_steps` consecutive
   ones stop the run with an error naming the step and the first non-finite quantity (never
@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -54,11 +55,12 @@ RATIO_METRICS = ("loss/log_ratio", "loss/ess", "loss/clip_frac")
 class TrainResult:
     step: int  # loop steps completed (train steps called)
     state: Any  # final TrainState
-    stopped: bool  # True when SIGTERM stopped the run early
+    stopped: bool  # True when SIGTERM or Ctrl-C stopped the run early (checkpointed)
     run_dir: epath.Path
     checkpoint_dir: epath.Path
     metrics_path: epath.Path
     last_row: dict[str, Any]
+    stop_signal: int | None = None  # the signal that stopped it (None: a request or JAX's sync)
 
 
 class Trainer:
@@ -173,9 +175,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         import jax
-        from tqdm.auto import tqdm
 
-        from jaxrl_llm.losses.types import finite_or_raise
         from jaxrl_llm.parallel.distributed import global_batch
         from jaxrl_llm.train.metrics_log import MetricsLogger
         from jaxrl_llm.train.nonfinite import NonfiniteGuard, nonfinite_quantities
@@ -186,24 +186,35 @@ class Trainer:
         if jax.process_index() == 0:
             atomic_write_text(self.run_dir / "config.yaml", dump_config(self.config))
         state, step = self._initial_state()
-        train_step = cached_train_step(self.config, self.mesh, state)
+        # Before anything is logged: the first batch, and the step compiled for it and
+        # checked against the memory left (`_fit_step`), so a step that cannot fit never starts.
+        first = self._next_batch() if step < cfg.steps else None
+        train_step = (cached_train_step(self.config, self.mesh, state) if first is None
+                      else self._fit_step(state, global_batch(first, self.mesh)))
         logger = MetricsLogger(self.run_dir, resume_step=step if step else None,
                                tensorboard=self.tensorboard, enabled=jax.process_index() == 0,
                                wandb=self.config.metrics, run_name=self.config.name,
                                run_config=self._meta(step, state)["config"])
         _install_sigterm(self._stop)
         window = MetricWindow()
-        bar = tqdm(total=cfg.steps, initial=step, disable=not self.progress, desc="train",
-                   unit="step", dynamic_ncols=True)
+        from jaxrl_llm.progress import progress_bar
+
+        bar = progress_bar(cfg.steps, initial=step, enabled=self.progress, desc="train",
+                           unit="step")
         last_row: dict[str, Any] = {}
         guard = NonfiniteGuard(nonfinite_quantities(state.params), cfg.max_nonfinite_steps)
         tokens, steps_in, t_window = 0, 0, time.perf_counter()
-        pending: tuple | None = None  # (step, device metrics, host metrics, eval metrics)
+        # (step, device metrics, host metrics, eval metrics, the step's tokens)
+        pending: tuple | None = None
 
         def consume(at: int, metrics: Any, data: dict[str, float],
-                    extra: Mapping[str, float] | None) -> dict[str, Any] | None:
+                    extra: Mapping[str, float] | None, step_tokens: int) -> dict[str, Any] | None:
             """Fold step `at`'s metrics into the window; log a row when one is due."""
             nonlocal tokens, steps_in, t_window
+            # Counted here, when the step's metrics are read (it has run), not at dispatch:
+            # a row's tokens and its time window then cover the same steps.
+            tokens += step_tokens
+            steps_in += 1
             scalars = {k: float(v) for k, v in fetch_metrics(metrics).items()
                        if self.uses_mu or not k.startswith(RATIO_METRICS)}
             scalars.update(data)
@@ -231,19 +242,14 @@ class Trainer:
         try:
             stopped = False
             while step < cfg.steps and not stopped:
-                try:
-                    host = next(self.loader)
-                except StopIteration:  # data.num_epochs exhausted before train.steps
+                host, first = (first, None) if first is not None else (self._next_batch(), None)
+                if host is None:  # data.num_epochs exhausted before train.steps
                     break
-                finite_or_raise(rewards=host.rewards, mu_logprobs=host.mu_logprobs,
-                                behavior_logprobs=host.behavior_logprobs,
-                                ref_logprobs=host.ref_logprobs)
                 if self.on_batch is not None:
                     self.on_batch(step + 1, host)
-                tokens += int(np.count_nonzero(host.segment_ids)) * jax.process_count()
+                step_tokens = int(np.count_nonzero(host.segment_ids)) * jax.process_count()
                 state, metrics = train_step(state, global_batch(host, self.mesh))
                 step += 1
-                steps_in += 1
                 extra = None
                 if cfg.eval_every and self.eval_hook and step % cfg.eval_every == 0:
                     extra = self.eval_hook(step, state) or {}
@@ -252,7 +258,8 @@ class Trainer:
                 # bar run one step late (the stop raises at most one step later).
                 if pending is not None:
                     last_row = consume(*pending) or last_row
-                pending = (step, metrics, batch_data_metrics(self.loader, host), extra)
+                pending = (step, metrics, batch_data_metrics(self.loader, host), extra,
+                           step_tokens)
                 # Checkpoint metadata (a device read of the optimizer step) only when due.
                 if self.checkpointer.should_save(step):
                     self.checkpointer.save(step, state_items(state), data_iterator=self.loader,
@@ -275,8 +282,36 @@ class Trainer:
         return TrainResult(
             step=step, state=state, stopped=stopped, run_dir=self.run_dir,
             checkpoint_dir=self.checkpoint_dir, metrics_path=logger.path,
-            last_row=last_row,
+            last_row=last_row, stop_signal=self._stop.signum if stopped else None,
         )
+
+    def _next_batch(self) -> Any | None:
+        """The loader's next host batch, checked finite (never train on NaN); None at the end
+        of the data (`data.num_epochs`)."""
+        from jaxrl_llm.losses.types import finite_or_raise
+
+        try:
+            host = next(self.loader)
+        except StopIteration:
+            return None
+        finite_or_raise(rewards=host.rewards, mu_logprobs=host.mu_logprobs,
+                        behavior_logprobs=host.behavior_logprobs, ref_logprobs=host.ref_logprobs)
+        return host
+
+    def _fit_step(self, state: Any, batch: Any) -> Any:
+        """The jitted step, compiled for the largest batch and checked against the memory
+        left (`train/step_fit.py`); a micro-batch size it picks becomes this run's config."""
+        import jax
+
+        from jaxrl_llm.train.step_fit import fit_train_step
+
+        say = None if jax.process_index() == 0 else (lambda text: None)
+        if self.progress:  # the compile takes a while on a real model: say what is happening
+            print("train: compiling the train step", file=sys.stderr, flush=True)
+        self.config, step, _ = fit_train_step(
+            self.config, self.mesh, state, batch,
+            lambda config: cached_train_step(config, self.mesh, state), say=say)
+        return step
 
     def close(self) -> None:
         self.checkpointer.close()
@@ -286,7 +321,7 @@ class Trainer:
 _STEP_IRRELEVANT: dict[str, Any] = {
     "name": True, "run_dir": True, "data": True, "eval": True, "plan": True,
     "train": {"log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-              "max_nonfinite_steps", "record_trace"},
+              "max_nonfinite_steps", "record_trace", "check_memory"},
 }
 _STEP_CACHE: dict[Any, Any] = {}
 _STEP_CACHE_SIZE = 4

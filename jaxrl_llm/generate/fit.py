@@ -1,0 +1,57 @@
+"""Before sampling (`generate`, `evaluate`): will a prompt batch's KV cache fit in the memory
+left? If not, fewer prompts per batch (only speed changes, and which random draws each
+sample gets), or a refusal naming the figure and the fix (`parallel/memory.py`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl_llm.parallel.memory import (
+    HOST_OVERHEAD,
+    MARGIN,
+    InsufficientMemory,
+    available_memory,
+    gib,
+)
+
+
+def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
+                      max_new_tokens: int, key: str, cache_itemsize: int = 4,
+                      say: Callable[[str], None] | None = None) -> int:
+    """The largest prompt batch ≤ `batch_size` (halving) whose sampling memory fits; `key`
+    names the config key of the batch size in the messages."""
+    import jax
+
+    from jaxrl_llm.models.sampler import sampling_bytes
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_kv_heads"):
+        return batch_size  # not a Decoder (test models): nothing to estimate
+    say = say or (lambda text: print(text, file=sys.stderr))
+    available = available_memory(jax.devices()[0])
+    overhead = HOST_OVERHEAD if available.host else 0
+
+    def need(prompts: int) -> int:
+        est = sampling_bytes(config, prompts=prompts, n=n, prompt_len=prompt_len,
+                             max_new_tokens=max_new_tokens, cache_itemsize=cache_itemsize)
+        return int(est * (1 + MARGIN)) + overhead
+
+    size = batch_size
+    while size > 1 and need(size) > available.bytes:
+        size = (size + 1) // 2
+    if need(size) > available.bytes:
+        raise InsufficientMemory(
+            f"sampling {n} completions of up to {max_new_tokens} tokens after a "
+            f"{prompt_len}-token prompt needs about {gib(need(1))} even one prompt at a time "
+            f"(KV cache and logits, estimated); {gib(available.bytes)} is {available.where}. "
+            "Lower the samples per prompt (generate.n / eval.n), the new tokens "
+            "(generate.max_new_tokens / eval.max_new_tokens) or the prompt (e.g. "
+            "data.task_options: {num_shots: 0})")
+    if size < batch_size:
+        say(f"memory: {batch_size} prompts per batch would need about {gib(need(batch_size))} "
+            f"(KV cache of {batch_size}×{n} rows × {prompt_len + max_new_tokens} tokens, "
+            f"estimated) and {gib(available.bytes)} is {available.where}: sampling {size} "
+            f"prompts per batch instead (set {key}={size} to silence this)")
+    return size

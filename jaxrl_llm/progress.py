@@ -1,0 +1,59 @@
+"""Progress of every long stage: a tqdm bar on a terminal, plain lines in a log.
+
+tqdm redraws one line with carriage returns, which a log file or a CI console shows as one
+ever-growing line (or nothing until the end). When stderr is not a terminal, `progress_bar`
+returns a tqdm whose every refresh is a whole line ("generate: 16/64 prompts (25%) 0:41
+elapsed, 2:03 left"), at most every `LINE_INTERVAL_S` seconds, plus the last one.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm.auto import tqdm
+
+LINE_INTERVAL_S = 10.0  # a plain line at most this often (a terminal bar redraws at 10 Hz)
+
+
+class LineProgress(tqdm):  # type: ignore[misc]
+    """tqdm printing whole lines (for logs); the format keeps tqdm's own figures."""
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if self.disable:
+            return True
+        d = self.format_dict
+        total = d["total"]
+        done = f"{d['n']:g}/{total:g}" if total else f"{d['n']:g}"
+        pct = f" ({100 * d['n'] / total:.0f}%)" if total else ""
+        rate = d["rate"] or (d["n"] / d["elapsed"] if d["elapsed"] else 0)
+        left = (f", {self.format_interval((total - d['n']) / rate)} left"
+                if total and rate and d["n"] < total else "")
+        extra = f" {d['postfix']}" if d.get("postfix") else ""
+        self.fp.write(f"{self.desc}: {done} {self.unit}s{pct} "
+                      f"{self.format_interval(d['elapsed'])} elapsed{left}{extra}\n")
+        self.fp.flush()
+        self.last_print_n = self.n
+        return True
+
+    def close(self) -> None:
+        if not self.disable and self.last_print_n != self.n:
+            self.display()  # the final count, once
+            self.last_print_n = self.n
+        self.disable = True
+        super().close()
+
+
+def is_terminal(stream: Any = None) -> bool:
+    stream = sys.stderr if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def progress_bar(total: int | None = None, *, desc: str, unit: str, enabled: bool = True,
+                 initial: int = 0) -> Any:
+    """A tqdm bar (terminal) or a `LineProgress` (log) on stderr; disabled when not `enabled`."""
+    if is_terminal():
+        return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, initial=initial,
+                    dynamic_ncols=True)
+    return LineProgress(total=total, desc=desc, unit=unit, disable=not enabled, initial=initial,
+                        mininterval=LINE_INTERVAL_S, file=sys.stderr)
