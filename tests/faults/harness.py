@@ -143,10 +143,15 @@ def cli(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = TIM
 
 def expected_exit(kill: Kill) -> bool:
     """Whether the interrupted command ended as its signal should make it: SIGKILL kills;
-    SIGTERM kills (no handler), or `train` (also inside `iterate`) stops gracefully with 143
-    after a checkpoint, or finishes with 0 when the signal came during its last step."""
+    SIGTERM kills (no handler), or `train` (also inside `iterate`), `generate` and `score`
+    stop gracefully with 143 after a checkpoint or a batch, or it finishes with 0 when the
+    signal came during its last step; Ctrl-C (SIGINT) does the same with 130."""
     if not kill.landed:
         return kill.returncode == 0
     if kill.signal == signal.SIGKILL:
         return kill.returncode == -signal.SIGKILL
+    if kill.signal == signal.SIGINT:
+        # Ctrl-C: every command stops and exits 130 (jaxrl_llm/signals.py); -SIGINT if it
+        # came before Python had started the command (its default: die by the signal)
+        return kill.returncode in (-signal.SIGINT, 130, 0)
     return kill.returncode in (-signal.SIGTERM, 143, 0)
