@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # transformers (tokenizers, configs) says "PyTorch was not found. Models won't be
+    # available" on import without torch: true and irrelevant here (our models are JAX).
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
     # `key=value` overrides may sit anywhere among the flags (`train --config C a=1 --no-progress
     # b=2`): argparse stops the positional list at the first flag, so collect the rest here.

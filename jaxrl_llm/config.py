@@ -317,8 +317,12 @@ class DataConfig(Section):
     num_prompts: int = Field(256, gt=0)
     shuffle_seed: int = 0
     tokenizer: str | None = Field(None, description="tokenizer dir, or 'char' (default for random models)")
-    chat_template: bool = Field(False, description="present each prompt as a user turn of the tokenizer's "
-                                "chat template (instruct models)")
+    chat_template: bool | None = Field(
+        None, description="present each prompt as a user turn of the tokenizer's chat template "
+        "(instruct models); unset: when the tokenizer has a chat template (said on stderr)")
+    system_prompt: str | None = Field(
+        None, description="a system message before every prompt (the chat template's system "
+        "turn; without a template, the prompt's first paragraph)")
     reward_scheme: Literal["pm1", "01"] = "pm1"
     task_options: dict[str, Any] = Field(default_factory=dict, description="task constructor kwargs")
     # Curation (TOPR §4.3 and App. D, FPA App. B.1): output directory, size, and a group transform applied before training.

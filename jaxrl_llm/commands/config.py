@@ -91,5 +91,28 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise ConfigError(f"{err} (read as a {name!r} config; --schema "
                           f"{'|'.join(SCHEMAS)} picks another)") from err
-    print(dump_config(config), end="")
+    print(_with_architecture(config), end="")
     return 0
+
+
+def _with_architecture(config: Any) -> str:
+    """The config's YAML, with a pretrained model's architecture as its weights have it
+    (the `model:` architecture keys only build source=random models)."""
+    model = getattr(config, "model", None)
+    if model is None or model.source == "random":
+        return dump_config(config)
+    from jaxrl_llm.errors import ModelFileError
+    from jaxrl_llm.models.loading import architecture_of
+
+    try:
+        found = architecture_of(model)
+    except (ConfigError, ModelFileError, OSError) as err:
+        return f"# model: architecture not read ({err})\n" + dump_config(config)
+    if found is None:
+        return (f"# model: {model.path or model.source} is not reachable from here: the "
+                "architecture below is the config's own\n" + dump_config(config))
+    fields, where = found
+    config = config.model_copy(update={"model": model.model_copy(update=fields)})
+    return (f"# model: source={model.source}; its architecture ({fields['num_layers']} layers, "
+            f"hidden {fields['hidden_size']}, vocabulary {fields['vocab_size']}) as read from "
+            f"{where}\n" + dump_config(config))

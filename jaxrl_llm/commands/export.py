@@ -1,5 +1,7 @@
 """`jaxrl-llm export --checkpoint DIR --out HF_DIR`: a training checkpoint as an HF directory,
-or with `--format gguf` one GGUF file, written atomically (`export.export_checkpoint`)."""
+or with `--format gguf` one GGUF file, written atomically (`export.export_checkpoint`).
+`--from SOURCE` converts a model instead: a GGUF file, `smollm2` (the packaged GGUF), a Hub id
+or an HF directory (`export.export_model`)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,12 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True,
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint",
                         help="run directory, its checkpoints/ directory, or checkpoints/<step>")
+    source.add_argument("--from", dest="source", metavar="SOURCE",
+                        help="convert a model: a .gguf file, smollm2 (the packaged "
+                             "SmolLM2-135M-Instruct), a Hub id org/name or an HF directory")
     parser.add_argument("--out", required=True,
                         help="HF directory to write (--format gguf: a .gguf file)")
     parser.add_argument("--format", choices=("hf", "gguf"), default="hf",
@@ -24,16 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.export import export_checkpoint
+    from jaxrl_llm.export import export_checkpoint, export_model
     from jaxrl_llm.models.gguf_export import GGUFExportError
 
+    options = dict(tokenizer=args.tokenizer, dtype=args.dtype, overwrite=args.overwrite,
+                   format=args.format, gguf_type=args.gguf_type)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, step=args.step,
-                                tokenizer=args.tokenizer, dtype=args.dtype,
-                                overwrite=args.overwrite, format=args.format,
-                                gguf_type=args.gguf_type)
+        if args.source is not None:
+            out = export_model(args.source, args.out, **options)
+        else:
+            out = export_checkpoint(args.checkpoint, args.out, step=args.step, **options)
     except GGUFExportError as err:  # an architecture/type/tokenizer GGUF cannot hold
         print(f"jaxrl-llm export: {err}", file=sys.stderr)
         return 2
-    print(f"exported {args.checkpoint} -> {out}")
+    print(f"exported {args.source or args.checkpoint} -> {out}")
     return 0

@@ -42,7 +42,7 @@ class Graded:
 def sample_and_grade(
     model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
-    chat_template: bool = False, progress: bool = True,
+    chat_template: bool | None = False, progress: bool = True,
 ) -> Graded:
     """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
     counts the questions (`jaxrl_llm/progress.py`); Ctrl-C stops after a prompt batch."""
@@ -139,7 +139,7 @@ def evaluate_model(
     model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     maj_k: Sequence[int] = (1, 4), trials: int = 100,
-    verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool = False,
+    verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool | None = False,
 ) -> tuple[dict[str, Any], Graded]:
     """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
     (= (model, tokenizer)) also weighted self-consistency (TOPR §4.4)."""

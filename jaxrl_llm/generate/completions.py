@@ -31,31 +31,63 @@ class Completion:
     finish_reason: str = ""
 
 
-def format_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False) -> list[str]:
-    """The prompts as the model sees them (`data.chat_template`).
+_SAID: set[str] = set()  # tokenizers whose automatic chat_template choice was printed
+
+
+def uses_chat_template(tokenizer: Any, chat_template: bool | None) -> bool:
+    """`data.chat_template`, with None (the default) meaning: the tokenizer's own chat
+    template when it has one (instruct models expect it; said once on stderr)."""
+    if chat_template is not None:
+        return chat_template
+    found = bool(getattr(tokenizer, "chat_template", None))
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if name not in _SAID:
+        import sys
+
+        _SAID.add(name)
+        print("data.chat_template is unset: " + (
+            "the tokenizer has a chat template, so prompts go through it (set "
+            "data.chat_template=false for raw text)" if found else
+            "the tokenizer has no chat template, so prompts are raw text"), file=sys.stderr)
+    return found
+
+
+def format_prompts(tokenizer: Any, prompts: Sequence[str], *,
+                   chat_template: bool | None = False) -> list[str]:
+    """The prompts as the model sees them (`data.chat_template`, `uses_chat_template`).
 
     Raw text, or each task prompt as one user turn of the tokenizer's chat template with the
     assistant turn opened — how an instruct model expects to be asked (SmolLM2-Instruct's
-    ChatML, say); without it such a model mostly answers off-format.
+    ChatML, say); without it such a model mostly answers off-format. A prompt's system
+    message (`tasks.base.Prompt`, `data.system_prompt`) is the template's system turn, or
+    the text's first paragraph without a template.
     """
-    if not chat_template:
-        return list(prompts)
+    if not uses_chat_template(tokenizer, chat_template):
+        return [f"{p.system}\n\n{p}" if getattr(p, "system", None) else str(p) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
         from jaxrl_llm.errors import ConfigError
 
         raise ConfigError(f"data.chat_template=true but tokenizer "
                           f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} "
                           "has no chat template")
-    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                          add_generation_prompt=True) for text in prompts]
+
+    def turns(text: str) -> list[dict[str, str]]:
+        system = getattr(text, "system", None)
+        return ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": str(text)}]
+
+    return [tokenizer.apply_chat_template(turns(text), tokenize=False, add_generation_prompt=True)
+            for text in prompts]
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False) -> list[list[int]]:
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], *,
+                   chat_template: bool | None = False) -> list[list[int]]:
     """Token ids of each prompt (already through `format_prompts`); an empty encoding is an
     error naming the prompt. Templated prompts carry their own special tokens (BOS etc.)."""
+    templated = uses_chat_template(tokenizer, chat_template)
     out = []
     for i, text in enumerate(prompts):
-        ids = list(tokenizer.encode(text, add_special_tokens=not chat_template))
+        ids = list(tokenizer.encode(text, add_special_tokens=not templated))
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens: {text[:60]!r}")
         out.append(ids)
@@ -95,7 +127,7 @@ def build_records(
 
 def gold_records(task: Task, problems: Sequence[Problem], tokenizer: Any, *,
                  eos_token_id: int | None = None, group_offset: int = 0,
-                 chat_template: bool = False) -> list[Record]:
+                 chat_template: bool | None = False) -> list[Record]:
     """Gold solutions as SFT records (warm start as in FPA arXiv:2509.19893): reward +1, correct, no log-probs."""
     records = []
     prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)

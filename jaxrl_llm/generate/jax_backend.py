@@ -62,7 +62,7 @@ def generate_records(
     stop_at_eos: bool = True,
     records_per_shard: int = 10_000,
     chunk_prompts: int | None = None,
-    chat_template: bool = False,
+    chat_template: bool | None = False,
     model_name: str = "",
     overwrite: bool = False,
     progress: bool = True,

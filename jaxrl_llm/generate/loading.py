@@ -36,9 +36,14 @@ def task_from_config(config: ExperimentConfig) -> Task:
     if d.task_path is not None:
         kwargs["path"] = d.task_path
     try:
-        return get_task(d.task, **kwargs)
-    except (KeyError, TypeError) as err:
+        task = get_task(d.task, **kwargs)
+    except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"data.task={d.task!r} / data.task_options: {err}") from err
+    if getattr(d, "system_prompt", None):
+        from jaxrl_llm.tasks.base import with_system_prompt
+
+        task = with_system_prompt(task, d.system_prompt)
+    return task
 
 
 def char_tokenizer() -> Any:

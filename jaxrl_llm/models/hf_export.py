@@ -8,6 +8,7 @@ direction; re-exported by `models.hf` (`hf.save_pretrained`, `hf.state_dict`).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -117,6 +118,7 @@ def save_pretrained(
         k = shard_of[hf_name]
         if hf_name == plan[k][-1]:
             safetensors.numpy.save_file(pending, str(out / names[k]), metadata=meta)
+            _usual_mode(out / names[k])
             pending = {}
     if len(plan) > 1:
         index = {"metadata": {"total_size": total},
@@ -139,3 +141,11 @@ def save_pretrained(
     gen.update(generation_config or {})
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def _usual_mode(path: Path) -> None:
+    """safetensors writes its file 0600 (readable by its owner only); give it the mode any
+    other file gets here (0666 less the umask), as transformers' own exports have."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)

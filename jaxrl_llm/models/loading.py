@@ -102,6 +102,27 @@ def decoder_config(model_config: Any) -> DecoderConfig:
     return DecoderConfig.from_model_config(m)
 
 
+# The `model:` keys that describe the architecture (source random builds it from them).
+ARCHITECTURE_KEYS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+                     "rope_theta", "rms_norm_eps", "sliding_window", "tie_embeddings")
+
+
+def architecture_of(model_config: Any) -> tuple[dict[str, Any], str] | None:
+    """(the architecture keys as a pretrained source's weights have them, the file they were
+    read from), or None for source random or a file not reachable from this machine (then
+    the section's own keys stand in, see `decoder_config`)."""
+    m = model_config
+    if m.source == "random":
+        return None
+    path = weights_path(m, files=["config.json"])
+    where = str(Path(path) / "config.json") if m.source == "hf" else path
+    if not Path(where).is_file():
+        return None
+    decoder = decoder_config(m)
+    return {key: getattr(decoder, key) for key in ARCHITECTURE_KEYS}, where
+
+
 def random_model(config: DecoderConfig, *, seed: int = 0, mesh: Mesh | None = None,
                  rules: Mapping[str, Any] | None = None) -> Decoder:
     """A randomly initialised `Decoder`; with `mesh`, initialised inside one jitted function
@@ -177,5 +198,6 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str
             "tokenizer the model was trained with (data.tokenizer / --tokenizer)")
 
 
-__all__ = ["LoadedModel", "check_tokenizer_fits", "decoder_config", "load_model", "numerics",
+__all__ = ["ARCHITECTURE_KEYS", "LoadedModel", "architecture_of", "check_tokenizer_fits",
+           "decoder_config", "load_model", "numerics",
            "random_model", "source_tokenizer", "weights_path"]

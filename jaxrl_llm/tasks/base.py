@@ -52,6 +52,26 @@ def binary_reward(correct: bool, scheme: RewardScheme) -> float:
     raise ValueError(f"unknown reward scheme {scheme!r} (expected 'pm1' or '01')")
 
 
+class Prompt(str):
+    """A task prompt (the user's turn) that may carry a system message (`data.system_prompt`):
+    `generate.completions.format_prompts` puts it in the chat template's system turn, or
+    before the prompt as plain text."""
+
+    system: str | None = None
+
+    def __new__(cls, text: str, system: str | None = None) -> Prompt:
+        prompt = super().__new__(cls, text)
+        prompt.system = system
+        return prompt
+
+
+def with_system_prompt(task: Task, system: str) -> Task:
+    """`task`, whose prompts now carry `system` (every backend formats it the same way)."""
+    user_turn = task.prompt
+    task.prompt = lambda problem: Prompt(user_turn(problem), system)  # type: ignore[method-assign]
+    return task
+
+
 class Task:
     """Base class: subclasses set `name` and implement `load`, `prompt`, `score`."""
 

@@ -5,6 +5,11 @@ The answer is the number after the magic string "The answer is" (missing -> inva
 are GSM8K-style `{"question": ..., "answer": "steps ... #### 42"}` from a local JSONL/Parquet
 file or `hf://openai/gsm8k:main` when online. The eight exemplars below are our own problems
 written in the format of Wang et al. (2022)'s prompt, not copied from any dataset.
+
+Options (`data.task_options`, docs/tasks.md): `num_shots` (0–8; 0 asks for the answer format
+in one instruction line instead of showing exemplars: ~640 fewer prompt tokens) and
+`answer_format` ("The answer is", or "####" — GSM8K's own `#### N` line, for models trained on
+GSM8K-style solutions; exemplars, gold solutions and the grader all follow it).
 """
 
 from __future__ import annotations
@@ -39,43 +44,68 @@ _CALC = re.compile(r"<<[^<>]{0,200}>>")  # GSM8K calculator annotations "<<6*12=
 TINY_ASSET = "gsm8k_tiny.jsonl"
 
 
-def few_shot_prefix(k: int = 8) -> str:
-    return "".join(f"Q: {q}\nA: {a}\n\n" for q, a in EXEMPLARS[:k])
+HASH = "####"  # GSM8K's own final-answer line
+ANSWER_FORMATS = (MAGIC, HASH)
 
 
-def parse_gsm8k_answer(text: str, where: str) -> tuple[str, str]:
-    """GSM8K 'steps #### 42' -> (gold number, step-by-step solution ending in the magic string)."""
+def _final(marker: str, number: str) -> str:
+    """The closing words of a solution in `marker`'s format."""
+    return f"{MAGIC} {number}." if marker == MAGIC else f"{HASH} {number}"
+
+
+def few_shot_prefix(k: int = 8, marker: str = MAGIC) -> str:
+    """The first `k` exemplars, each closing in `marker`'s format."""
+    def closed(answer: str) -> str:
+        steps, _, number = answer.rpartition(f" {MAGIC} ")
+        return f"{steps} {_final(marker, number.rstrip('.'))}"
+
+    return "".join(f"Q: {q}\nA: {closed(a)}\n\n" for q, a in EXEMPLARS[:k])
+
+
+def parse_gsm8k_answer(text: str, where: str, marker: str = MAGIC) -> tuple[str, str]:
+    """GSM8K 'steps #### 42' -> (gold number, step-by-step solution ending in `marker`'s
+    format: "The answer is 42." or "#### 42")."""
     steps, sep, final = text.rpartition("####")
     value = normalize_number(final) if sep else None
     if value is None:
         raise ValueError(f"{where}: answer has no '#### <number>' line: {text[-80:]!r}")
     number = answer_after_magic(f"{MAGIC} {final.strip()}") or final.strip()
     solution = " ".join(_CALC.sub("", steps).split())
-    return number, f"{solution} {MAGIC} {number}."
+    return number, f"{solution} {_final(marker, number)}"
 
 
 class GSM8KTask(Task):
     name = "gsm8k"
     reward_fn = "±1: number after the last 'The answer is' equals the gold; missing -> invalid"
 
-    def __init__(self, *, path: str | None = None, num_shots: int = 8, reward_scheme: RewardScheme = "pm1") -> None:
+    def __init__(self, *, path: str | None = None, num_shots: int = 8, answer_format: str = MAGIC,
+                 reward_scheme: RewardScheme = "pm1") -> None:
         super().__init__(reward_scheme=reward_scheme)
         if not 0 <= num_shots <= len(EXEMPLARS):
             raise ValueError(f"num_shots must be in [0, {len(EXEMPLARS)}], got {num_shots}")
-        self.path, self.num_shots = path, num_shots
-        self._prefix = few_shot_prefix(num_shots)
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {list(ANSWER_FORMATS)}, got "
+                             f"{answer_format!r}")
+        self.path, self.num_shots, self.answer_format = path, num_shots, answer_format
+        self._prefix = few_shot_prefix(num_shots, answer_format)
+        self.reward_fn = (f"±1: number after the last {answer_format!r} equals the gold; "
+                          "missing -> invalid")
 
     def load(self, *, split: str = "train", num: int | None = None, seed: int = 0) -> list[Problem]:
         path = self.path or str(resources.files("jaxrl_llm.assets") / TINY_ASSET)
         problems = []
         for i, row in enumerate(load_rows(path, split=split)):
             where = f"{path} row {i}"
-            gold, solution = parse_gsm8k_answer(str(require(row, "answer", where)), where)
+            gold, solution = parse_gsm8k_answer(str(require(row, "answer", where)), where,
+                                                self.answer_format)
             problems.append(Problem(id=f"gsm8k-{split}-{i}", question=str(require(row, "question", where)),
                                     answer=gold, solution=solution))
         return problems[:num] if num else problems
 
     def prompt(self, problem: Problem) -> str:
+        if self.num_shots == 0:  # no exemplar shows the format: say it
+            return (f"Q: {problem.question}\nSolve it step by step, then give the final number "
+                    f"as '{_final(self.answer_format, 'N')}'\nA:")
         return f"{self._prefix}Q: {problem.question}\nA:"
 
     def gold_completion(self, problem: Problem) -> str | None:
@@ -84,7 +114,7 @@ class GSM8KTask(Task):
     def score(self, problem: Problem, completion: str) -> RewardResult:
         # Few-shot models keep writing "Q: ..." after answering: score only the first answer.
         completion = completion.split("\nQ:", 1)[0]
-        answer = answer_after_magic(completion)
+        answer = answer_after_magic(completion, self.answer_format)
         if answer is None:
             return RewardResult(binary_reward(False, self.reward_scheme), False, True, None)
         correct = numbers_equal(answer, problem.answer)
