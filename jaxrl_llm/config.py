@@ -360,6 +360,8 @@ class EvalConfig(Section):
     maj_k: list[int] = Field(default_factory=lambda: [1, 4])
     bootstrap_trials: int = Field(100, gt=0)
     split: str = "test"
+    task_path: str | None = Field(None, description="the evaluation questions' file (default: "
+                                  "data.task_path; a local file holds one split)")
     # Sampling for evaluation; None = the generate section's value (FPA arXiv:2509.19893 evaluates at T=0.7).
     temperature: float | None = Field(None, ge=0)
     max_new_tokens: int | None = Field(None, gt=0)

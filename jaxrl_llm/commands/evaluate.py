@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.eval.evaluate import evaluate_model, load_model_and_tokenizer, write_eval
-    from jaxrl_llm.generate.loading import task_from_config
+    from jaxrl_llm.eval.during_training import eval_task
     from jaxrl_llm.paths import as_path
 
     overrides = list(args.overrides)
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_experiment_config(args.config, overrides)
     e, g = config.eval, config.generate
     model, tokenizer, info = load_model_and_tokenizer(args.model, config, args.tokenizer)
-    task = task_from_config(config)
+    task = eval_task(config)  # data.task, from eval.task_path when set
     problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
     temperature = g.temperature if e.temperature is None else e.temperature
     verifier = None

@@ -23,7 +23,14 @@ def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.train.trainer import Trainer
 
     config = load_experiment_config(args.config, args.overrides)
-    trainer = Trainer(config, records=args.records, progress=not args.no_progress)
+    hook = None
+    if config.train.eval_every:  # held-out pass@1 ± SE every eval_every steps
+        from jaxrl_llm.eval.during_training import make_eval_hook
+        from jaxrl_llm.generate.loading import tokenizer_from_config
+
+        hook = make_eval_hook(config, tokenizer_from_config(config))
+    trainer = Trainer(config, records=args.records, progress=not args.no_progress,
+                      eval_hook=hook)
     try:
         result = trainer.run()
     except NonFiniteError as err:  # a diagnosis, not a crash: no traceback

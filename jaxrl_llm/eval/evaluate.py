@@ -140,12 +140,13 @@ def evaluate_model(
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     maj_k: Sequence[int] = (1, 4), trials: int = 100,
     verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool | None = False,
+    progress: bool = True,
 ) -> tuple[dict[str, Any], Graded]:
     """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
     (= (model, tokenizer)) also weighted self-consistency (TOPR §4.4)."""
     graded = sample_and_grade(model, tokenizer, task, problems, n=n, temperature=temperature,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                              chat_template=chat_template)
+                              chat_template=chat_template, progress=progress)
     verdicts = None
     if verifier is not None:
         verdicts = verify_samples(verifier[0], verifier[1], problems, graded,

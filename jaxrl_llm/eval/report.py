@@ -22,8 +22,20 @@ from jaxrl_llm.paths import PathLike, as_path, find_files
 # (file stem, title, y label, metric-name regexes)
 SERIES = (
     ("accuracy", "Accuracy vs step", "accuracy (fraction of samples correct)",
-     (r"(^|/)pass_at_1$", r"(^|/)pass_at_1_se$", r"accuracy$", r"solve_rate$")),
+     (r"(^|/)pass_at_1$", r"(^|/)pass_at_1_se$", r"solve_rate$")),
+    # DPO/RPO's `reward_accuracy` counts pairs, not samples: its own panel and label.
+    ("pair_accuracy", "Preference pairs ranked right (DPO arXiv:2305.18290)",
+     "fraction of pairs with implicit reward(chosen) > reward(rejected)", (r"reward_accuracy$",)),
     ("loss", "Loss vs step", "loss (nats)", (r"(^|/)loss$", r"objective$")),
+    ("reward", "Reward of the trained records", "reward (mean, std over the batch)",
+     (r"(^|/)reward/(mean|std)$",)),
+    ("kl", "KL to the sampler μ and to π_ref (k3 estimates)", "nats per token", (r"(^|/)kl/",)),
+    ("entropy", "Policy entropy", "nats per token", (r"(^|/)entropy$",)),
+    ("completion_length", "Completion length", "tokens per record", (r"(^|/)completion_length$",)),
+    ("grad_norm", "Gradient norm (before clipping)", "‖g‖₂",
+     (r"(^|/)grad_norm(_positive|_negative)?$",)),
+    ("learning_rate", "Learning rate", "learning rate", (r"(^|/)learning_rate$",)),
+    ("throughput", "Throughput", "tokens per second", (r"(^|/)throughput/tokens_per_s$",)),
     # The TOPR-family kernels report log(π/μ) split by sign; FPA π^{1/|y|} by correctness.
     ("logprob_drift", "Log-prob drift: correct vs incorrect (FPA arXiv:2509.19893 Fig. 2)", "log π − log μ (nats); FPA: π^(1/|y|)",
      (r"drift", r"log_ratio_mean_(pos|neg)$", r"pi(_hat)?_norm_mean_(correct|incorrect)$")),

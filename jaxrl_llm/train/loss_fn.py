@@ -38,6 +38,7 @@ from jaxrl_llm.losses.logprobs import (
 from jaxrl_llm.losses.registry import LossSpec, loss_spec
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.losses.vocab_chunks import RowSharding
+from jaxrl_llm.train.monitors import as_metrics, token_monitors
 
 
 def temperature(config: ExperimentConfig) -> float:
@@ -142,17 +143,23 @@ def compute_loss(
                            temperature=tau, softcap=softcap, row_sharding=row_sharding)
         ))
 
-    logp = per_record(token_logprobs(
+    logp, entropy = token_logprobs(
         hidden, unembed, batch.targets, chunk_size=chunk, temperature=tau, softcap=softcap,
-        row_sharding=row_sharding,
-    ))
+        row_sharding=row_sharding, return_entropy=True,  # same pass: entropy costs no matmul
+    )
+    logp, entropy = per_record(logp), per_record(entropy)
     logmu = per_record(
         batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
     )
     inputs = _Inputs(config, batch, logp, logmu, per_record(batch.loss_mask), ref_logp,
                      per_record, hidden, unembed, ref_hidden, ref_unembed, softcap, advantages,
                      row_sharding)
-    return _BINDINGS[spec.family](spec, inputs)
+    out = _BINDINGS[spec.family](spec, inputs)
+    # Entropy and k3 KL to μ / π_ref beside the loss (train/monitors.py).
+    sums = token_monitors(logp, entropy, inputs.mask, batch.record_mask,
+                          logmu=logmu if spec.needs_mu else None,
+                          logref=ref_logp() if spec.needs_ref else None)
+    return out._replace(metrics={**out.metrics, **as_metrics(sums, out.weight)})
 
 
 def _topr_family(spec: LossSpec, x: _Inputs) -> LossOutput:

@@ -50,6 +50,7 @@ from jaxrl_llm.models.layer_scan import LayerGradAccumulator
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree
 from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
+from jaxrl_llm.train.monitors import MONITORS, batch_monitors, finish
 from jaxrl_llm.train.nonfinite import NONFINITE_KEY, first_nonfinite
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.state import TrainState, cast_to_dtypes, needs_reference_model
@@ -356,7 +357,9 @@ def train_step_fn(
             opt_state=jax.tree.map(keep_if_finite, new_opt, state.opt_state),
             rng=jax.random.split(state.rng)[0],
         )
+        completion_tokens = jnp.sum(batch.loss_mask * token_record_mask(batch))
         metrics: Metrics = {
+            **batch_monitors(batch.rewards, batch.record_mask, completion_tokens),
             "loss": loss,
             "loss_weight": weight,
             "grad_norm": grad_norm,
@@ -364,8 +367,9 @@ def train_step_fn(
             "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
             "update_skipped": 1.0 - finite.astype(jnp.float32),
             NONFINITE_KEY: first_bad,
-            "completion_tokens": jnp.sum(batch.loss_mask * token_record_mask(batch)),
-            **{f"loss/{k}": jnp.asarray(v, jnp.float32) for k, v in kernel_metrics.items()},
+            "completion_tokens": completion_tokens,
+            **{(k if k in MONITORS else f"loss/{k}"): jnp.asarray(v, jnp.float32)
+               for k, v in finish(dict(kernel_metrics)).items()},
         }
         if sign_grads is not None:
             # Both sides over the full batch's weight, so the two gradients sum to `grads`.

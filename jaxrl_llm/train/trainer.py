@@ -108,6 +108,13 @@ class Trainer:
         self.run_dir = as_path(run_dir if run_dir is not None else config.run_dir)
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         check_batch_divides(config, self.mesh)
+        if config.train.eval_every and eval_hook is None:  # never accepted and ignored
+            from jaxrl_llm.errors import ConfigError
+
+            raise ConfigError(
+                f"train.eval_every={config.train.eval_every} needs an evaluation: `jaxrl-llm "
+                "train` builds one (eval.* keys); from Python pass Trainer(eval_hook=...); "
+                "`iterate` evaluates after each iteration instead: unset train.eval_every")
         self.eval_hook, self.on_batch, self.on_step = eval_hook, on_batch, on_step
         if config.train.record_trace:  # data-order audit (train/record_trace.py)
             from jaxrl_llm.train.record_trace import RecordTrace
