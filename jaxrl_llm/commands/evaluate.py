@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
-    from jaxrl_llm.eval.evaluate import evaluate_model, load_model_and_tokenizer, write_eval
     from jaxrl_llm.eval.during_training import eval_task
+    from jaxrl_llm.eval.evaluate import evaluate_model, load_model_and_tokenizer, write_eval
     from jaxrl_llm.paths import as_path
 
     overrides = list(args.overrides)
