@@ -29,7 +29,7 @@ class LoraConfig(Section):
     """LoRA adapters (models/lora.py; LoRA arXiv:2106.09685): only they are trained, the base
     weights stay frozen, and the reference policy is the base (adapters off)."""
 
-    rank: int = Field(8, gt=0)
+    rank: int = Field(8, gt=0)  # r, the adapters' inner width
     alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
     # PEFT / HF module names (models.lora.LORA_TARGETS); default: every linear layer.
     targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -41,28 +41,34 @@ class LoraConfig(Section):
 class ModelConfig(Section):
     """Which decoder to train, and its numerics (models/)."""
 
+    # where the weights come from: random init, an HF directory or Hub id, a GGUF file, or the
+    # packaged SmolLM2-135M-Instruct GGUF (docs/integrations.md)
     source: Literal["random", "hf", "gguf", "smollm2"] = "random"
     path: str | None = Field(None, description="HF directory or GGUF file for source hf/gguf, "
                              "or a Hugging Face Hub id (org/name) for source hf")
     revision: str | None = Field(None, description="hub revision (branch, tag, commit) of a hub id")
+    # random models: the decoder family (pretrained sources read theirs)
     family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"] = "llama"
     # Architecture of a random-init model (ignored when loading weights, which carry their own).
-    vocab_size: int = Field(512, gt=0)
-    hidden_size: int = Field(128, gt=0)
-    intermediate_size: int = Field(384, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
+    vocab_size: int = Field(512, gt=0)  # random models: vocabulary size
+    hidden_size: int = Field(128, gt=0)  # random models: hidden width d
+    intermediate_size: int = Field(384, gt=0)  # random models: MLP width
+    num_layers: int = Field(2, gt=0)  # random models: decoder layers
+    num_heads: int = Field(4, gt=0)  # random models: query heads
+    num_kv_heads: int = Field(2, gt=0)  # random models: key/value heads (grouped-query attention)
+    # random models: per-head width; null = hidden_size / num_heads
     head_dim: int | None = Field(None, gt=0)
+    # random models: the longest position RoPE is set up for
     max_position_embeddings: int = Field(2048, gt=0)
-    rope_theta: float = Field(10_000.0, gt=0)
-    rms_norm_eps: float = Field(1e-6, gt=0)
+    rope_theta: float = Field(10_000.0, gt=0)  # random models: RoPE base
+    rms_norm_eps: float = Field(1e-6, gt=0)  # random models: RMSNorm epsilon
     # Mistral: every layer; Gemma 2: the even (local) layers. None = full attention everywhere.
     sliding_window: int | None = Field(None, gt=0)
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # random models: the unembedding is the embedding's transpose
     # auto: bfloat16 on TPU/GPU (with optim.master_weights_fp32 the optimizer keeps fp32
     # master weights; the log-prob kernel's log-softmax is fp32), float32 on CPU.
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # dtype of the activations and matmuls; auto: bfloat16 on TPU/GPU, float32 on CPU
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Default by source (`_memory_sane_defaults`): pretrained sources scan the layers and
     # rematerialise them (full), random models neither. Measured by `plan` for SmolLM2-135M at
@@ -111,17 +117,22 @@ class LossConfig(Section):
     name: str = "topr"
     # TOPR family truncation bounds (docs/kernels.md § TOPR family); None means "use the preset named by `name`".
     a_pos: float | None = None
+    # TOPR family: upper bound of the positive records' ratio weight (None: the preset's)
     b_pos: float | None = None
+    # TOPR family: lower bound of the negative records' ratio weight (None: the preset's)
     a_neg: float | None = None
+    # TOPR family: upper bound of the negative records' ratio weight (None: the preset's)
     b_neg: float | None = None
+    # subtracted from each reward (TOPR eq. 12: baselines as dataset composition)
     baseline: float = 0.0
-    length_norm: bool = True
+    length_norm: bool = True  # TOPR family: divide each record's token sum by its length
     # TOPR family: "sequence" π(y)/μ(y) (TOPR's), "token" π_t/μ_t, or "geometric" — the
     # length-normalised (π(y)/μ(y))^{1/|y|}; PPO: "sequence" or "token".
     ratio_level: Literal["sequence", "token", "geometric"] = "sequence"
-    clip_eps: float = Field(0.2, gt=0)
+    clip_eps: float = Field(0.2, gt=0)  # PPO/GRPO: ratio clip ε (1 ± ε)
     # PPO/GRPO: DAPO clip-higher bounds (arXiv:2503.14476); None means clip_eps.
     clip_eps_low: float | None = Field(None, ge=0, le=1)
+    # PPO/GRPO: upper clip bound (DAPO clip-higher); None means clip_eps
     clip_eps_high: float | None = Field(None, ge=0)
     # PPO/GRPO dual clip (arXiv:1912.09729): loss ≤ −c·A for A < 0; c > 1; None = off.
     dual_clip_c: float | None = None
@@ -132,17 +143,21 @@ class LossConfig(Section):
     aggregation: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] | None = None
+    # FPA: extrapolation λ of softmax((1+λ)h_θ − λh_ref) (FPA eq. 3)
     fpa_lambda: float = Field(1.0, ge=0)
+    # FPA: which records get the extrapolated weight
     fpa_on: Literal["both", "negatives", "positives"] = "both"
-    kl_tau: float = Field(0.04, ge=0)
+    kl_tau: float = Field(0.04, ge=0)  # off_rl_kl: weight τ of KL(π_ref‖π) (FPA eq. 33)
     # off_rl_kl: exact per-token KL(π_ref‖π_θ) over the vocabulary (needs train.ref_logprobs:
     # model) instead of the sample estimate logπ_ref(y) − logπ_θ(y) (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL).
     kl_exact: bool = False
-    beta: float = Field(0.1, gt=0)
-    rpo_alpha: float = 1.0
-    apo_beta1: float = Field(0.5, gt=0)
-    apo_beta2: float = Field(1e-3, gt=0)
+    beta: float = Field(0.1, gt=0)  # DPO/RPO/KTO: β of the implicit reward
+    rpo_alpha: float = 1.0  # RPO: weight α of the chosen answers' NLL term
+    apo_beta1: float = Field(0.5, gt=0)  # A*-PO: β₁ of the soft value V̂
+    apo_beta2: float = Field(1e-3, gt=0)  # A*-PO: β₂ of the regression target
+    # vocabulary columns per chunk of the log-prob kernel (peak memory vs speed, docs/kernels.md)
     logprob_chunk_size: int = Field(4096, gt=0)
+    # μ for π/μ: trainer = the score pass's mu_logprobs, sampler = the sampler's own log-probs
     mu_source: Literal["trainer", "sampler"] = "trainer"
 
     @field_validator("name")
@@ -202,17 +217,20 @@ class LossConfig(Section):
 class OptimConfig(Section):
     """optax optimizer, schedule and clipping (train/optim)."""
 
-    name: Literal["adamw", "adafactor", "sgd"] = "adamw"
-    learning_rate: float = Field(1e-5, gt=0)
+    name: Literal["adamw", "adafactor", "sgd"] = "adamw"  # optax optimizer
+    learning_rate: float = Field(1e-5, gt=0)  # peak learning rate
+    # learning-rate schedule
     schedule: Literal["constant", "warmup_constant", "warmup_cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.999, ge=0, lt=1)
-    clip_norm: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up steps (warmup_* schedules)
+    weight_decay: float = Field(0.0, ge=0)  # decoupled weight decay (adamw)
+    b1: float = Field(0.9, ge=0, lt=1)  # Adam β₁
+    b2: float = Field(0.999, ge=0, lt=1)  # Adam β₂
+    clip_norm: float | None = Field(1.0, gt=0)  # global gradient-norm clip; null = none
+    # keep float32 master weights when the model's params are bfloat16
     master_weights_fp32: bool = True
-    eps: float = Field(1e-8, gt=0)
+    eps: float = Field(1e-8, gt=0)  # Adam ε
     decay_steps: int | None = Field(None, gt=0, description="cosine decay length; default train.steps")
+    # warmup_cosine: final learning rate as a fraction of the peak
     end_lr_ratio: float = Field(0.0, ge=0, le=1)
     # AdamW's first moment in bfloat16 (optax `mu_dtype`): halves its memory; a precision
     # trade-off (8 mantissa bits for a running average), so float32 unless asked for.
@@ -222,21 +240,27 @@ class OptimConfig(Section):
 class MeshConfig(Section):
     """Device mesh axes (parallel/): sizes must multiply to the device count; -1 = the rest."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = -1  # data-parallel axis size (-1: the devices the other axes leave)
+    fsdp: int = 1  # fully-sharded axis: parameters and optimizer state split over it
+    tensor: int = 1  # tensor-parallel axis (heads and MLP width split)
 
 
 class TrainConfig(Section):
     """The trainer loop (train/)."""
 
+    # optimizer steps (train stops earlier when data.num_epochs runs out)
     steps: int = Field(100, gt=0)
-    batch_size: int = Field(8, gt=0)
+    batch_size: int = Field(8, gt=0)  # records (rows) per step, over all devices
+    # split each step into micro-batches of this many rows (gradients accumulated: the same update);
+    # null = one; picked automatically when the step would not fit
     micro_batch_size: int | None = Field(None, gt=0)
+    # tokens per row (prompt + completion); a longer record is an error (data.too_long)
     max_seq_len: int = Field(512, gt=0)
-    log_every: int = Field(10, gt=0)
+    log_every: int = Field(10, gt=0)  # a metrics row every this many steps
+    # an Orbax checkpoint every this many steps (and at the end)
     checkpoint_every: int = Field(100, gt=0)
-    keep_checkpoints: int = Field(3, gt=0)
+    keep_checkpoints: int = Field(3, gt=0)  # checkpoints kept
+    # evaluate held-out pass@1 ± SE every this many steps (eval.* keys; `jaxrl-llm train`)
     eval_every: int | None = Field(None, gt=0)
     # Reference log-probs for DPO/RPO/KTO/A*-PO/off_rl_kl: precomputed in `batch.ref_logprobs`
     # ("batch") or computed in the train step from a frozen copy of the initial policy
@@ -273,6 +297,7 @@ class PlanConfig(Section):
     extra, PyPI `libtpu`); `cpu` uses `num_devices` fake host devices (`XLA_FLAGS`).
     """
 
+    # compile for fake CPU devices or, with libtpu, real TPU chips
     platform: Literal["cpu", "tpu"] = "cpu"
     topology: str | None = Field(None, description="e.g. v5e:16x16 (256 chips), v5e:2x2")
     num_devices: int | None = Field(None, gt=0, description="fake CPU devices; default: mesh")
@@ -282,20 +307,23 @@ class PlanConfig(Section):
 class GenerateConfig(Section):
     """Sampling for the offline dataset (generate/); TOPR's set-up is T=1, top-k 500."""
 
+    # jax: the project's KV-cache sampler; vllm: vLLM on a GPU host
     backend: Literal["jax", "vllm"] = "jax"
-    n: int = Field(16, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(512, gt=0)
+    n: int = Field(16, gt=0)  # completions per prompt
+    temperature: float = Field(1.0, ge=0)  # sampling temperature (0 = greedy)
+    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling (1 = off)
+    top_k: int = Field(0, ge=0)  # top-k sampling (0 = off)
+    max_new_tokens: int = Field(512, gt=0)  # longest completion
+    # prompts per sampler batch (fewer when the KV cache would not fit)
     batch_size: int = Field(32, gt=0)
-    split: str = "train"
+    split: str = "train"  # task split to sample prompts from
     output: RunPath | None = Field(None, description="record directory to write (local or gs://)")
-    records_per_shard: int = Field(10_000, gt=0)
-    stop_at_eos: bool = True
+    records_per_shard: int = Field(10_000, gt=0)  # records per ArrayRecord shard
+    stop_at_eos: bool = True  # end a completion at the tokenizer's EOS
     # vLLM (GPU host): what its `logprobs` mean, and engine options.
     vllm_logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
-    tensor_parallel_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = Field(1, gt=0)  # vLLM: GPUs per engine
+    # vLLM: fraction of GPU memory the engine may take
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # Score pass (docs/architecture.md § Why μ is re-scored): μ per-token log-probs with the trainer's numerics.
     score_batch_size: int = Field(8, gt=0)
@@ -303,19 +331,25 @@ class GenerateConfig(Section):
     # Score pass: flag sequences whose |Σ log μ_sampler − Σ log μ_trainer| exceeds this (nats);
     # with drop_mismatched, leave them out of the scored records (counts in the report).
     max_mismatch: float | None = Field(None, gt=0)
+    # score: leave sequences over generate.max_mismatch out instead of flagging them
     drop_mismatched: bool = False
 
 
 class DataConfig(Section):
     """Task, record shards and curation (data/, tasks/, TOPR §4.3 and App. D, FPA App. B.1)."""
 
+    # a built-in task (docs/tasks.md) or an import path package.module:factory
+    # (docs/custom_tasks.md)
     task: str = "arithmetic"
-    task_path: str | None = None
-    records: RunPath | None = None
+    task_path: str | None = None  # the task's data file (JSONL/Parquet, or hf://org/name:config)
+    records: RunPath | None = None  # record directory generate writes and score/curate/train read
+    # uniform, target, Np (e.g. 10p), positives, anna_karenina, drop_uniform_groups, hard or dpo
+    # (TOPR §4.3)
     curation: str = "uniform"
+    # curation target: fraction of positive records
     target_positive_fraction: float | None = Field(None, ge=0, le=1)
-    num_prompts: int = Field(256, gt=0)
-    shuffle_seed: int = 0
+    num_prompts: int = Field(256, gt=0)  # prompts to generate for
+    shuffle_seed: int = 0  # seed of curation and of the loader's shuffle
     tokenizer: str | None = Field(None, description="tokenizer dir, or 'char' (default for random models)")
     chat_template: bool | None = Field(
         None, description="present each prompt as a user turn of the tokenizer's chat template "
@@ -323,24 +357,28 @@ class DataConfig(Section):
     system_prompt: str | None = Field(
         None, description="a system message before every prompt (the chat template's system "
         "turn; without a template, the prompt's first paragraph)")
-    reward_scheme: Literal["pm1", "01"] = "pm1"
+    reward_scheme: Literal["pm1", "01"] = "pm1"  # ±1 or 0/1 rewards
     task_options: dict[str, Any] = Field(default_factory=dict, description="task constructor kwargs")
     # Curation (TOPR §4.3 and App. D, FPA App. B.1): output directory, size, and a group transform applied before training.
     curated: RunPath | None = None
+    # curation: records to keep (null = all the strategy gives)
     num_records: int | None = Field(None, gt=0)
-    hard_power: float = Field(1.0, gt=0)
+    hard_power: float = Field(1.0, gt=0)  # curation hard: weight of a group's failure rate
+    # per-group reward transform applied by curate (RLOO, GRPO, Dr.GRPO, PKPO)
     group_transform: Literal["none", "rloo", "grpo", "dr_grpo", "pkpo"] = "none"
-    pkpo_k: int | None = Field(None, gt=0)
+    pkpo_k: int | None = Field(None, gt=0)  # PKPO's k (group_transform pkpo)
     # Loader (grain): length buckets (≤ train.max_seq_len), long records, epochs, prefetch.
     buckets: list[int] = Field(default_factory=list)
+    # a record longer than train.max_seq_len: stop with an error, or drop it (counted)
     too_long: Literal["error", "drop"] = "error"
+    # passes over the records; null = as many as train.steps needs
     num_epochs: int | None = Field(None, gt=0)
-    read_threads: int = Field(2, gt=0)
-    prefetch: int = Field(2, ge=0)
+    read_threads: int = Field(2, gt=0)  # loader read threads
+    prefetch: int = Field(2, ge=0)  # batches prepared ahead in a background thread (0 = off)
     # Sequence packing (data/loader.py): rows of train.max_seq_len holding up to
     # records_per_row records each (segment ids); not for the pair losses dpo/rpo.
     pack: bool = False
-    records_per_row: int = Field(8, gt=0)
+    records_per_row: int = Field(8, gt=0)  # data.pack: most records in one row
 
     @model_validator(mode="after")
     def _pack_has_no_buckets(self) -> DataConfig:
@@ -355,39 +393,43 @@ class DataConfig(Section):
 class EvalConfig(Section):
     """Evaluation (eval/, TOPR §4.2, FPA App. B.3)."""
 
-    n: int = Field(8, gt=0)
-    num_questions: int = Field(100, gt=0)
-    maj_k: list[int] = Field(default_factory=lambda: [1, 4])
-    bootstrap_trials: int = Field(100, gt=0)
-    split: str = "test"
+    n: int = Field(8, gt=0)  # samples per question
+    num_questions: int = Field(100, gt=0)  # questions evaluated
+    maj_k: list[int] = Field(default_factory=lambda: [1, 4])  # K values of maj@K
+    bootstrap_trials: int = Field(100, gt=0)  # bootstrap resamples of maj@K's error bar
+    split: str = "test"  # task split evaluated
     task_path: str | None = Field(None, description="the evaluation questions' file (default: "
                                   "data.task_path; a local file holds one split)")
     # Sampling for evaluation; None = the generate section's value (FPA arXiv:2509.19893 evaluates at T=0.7).
     temperature: float | None = Field(None, ge=0)
+    # longest completion; null = generate.max_new_tokens
     max_new_tokens: int | None = Field(None, gt=0)
+    # prompts per sampler batch; null = generate.batch_size
     batch_size: int | None = Field(None, gt=0)
-    seed: int = 1234
-    verifications: int = Field(4, gt=0)  # per solution, for weighted self-consistency (TOPR arXiv:2503.14286 §4.4)
+    seed: int = 1234  # sampling seed
+    # per solution, for weighted self-consistency (TOPR arXiv:2503.14286 §4.4)
+    verifications: int = Field(4, gt=0)
 
 
 class MetricsConfig(Section):
     """Where metric rows go besides metrics.jsonl and TensorBoard (train/metrics_log.py)."""
 
     wandb: bool = Field(False, description="also log to Weights & Biases (extra: wandb)")
-    wandb_project: str = "jaxrl-llm"
-    wandb_entity: str | None = None
+    wandb_project: str = "jaxrl-llm"  # W&B project
+    wandb_entity: str | None = None  # W&B entity (team); null = your default
     wandb_name: str | None = Field(None, description="default: the experiment's name")
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="default: wandb's own (WANDB_MODE)")
-    wandb_tags: list[str] = Field(default_factory=list)
+    wandb_tags: list[str] = Field(default_factory=list)  # W&B tags
 
 
 class ExperimentConfig(Section):
     """One experiment: every section plus the run's identity and seed."""
 
-    name: str = "experiment"
+    name: str = "experiment"  # the experiment's name (run labels, W&B run name)
+    # where train writes checkpoints, metrics and config.yaml (local or gs://)
     run_dir: RunPath = Field("runs/experiment", validate_default=True)
-    seed: int = 0
+    seed: int = 0  # random seed: model init, data order, sampling
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -85,10 +85,43 @@ def validate_tree(tree: Mapping[str, Any], overrides: Sequence[str], *, source: 
             if not key:  # a check across sections: its message names the keys
                 lines.append(e["msg"].removeprefix("Value error, "))
             elif e["type"] == "extra_forbidden":
-                lines.append(f"unknown key {key!r} (from {where})")
+                lines.append(f"unknown key {key!r} (from {where}){_did_you_mean(schema, e['loc'])}")
             else:
                 lines.append(f"{key!r} (from {where}): {e['msg']}; got {e.get('input')!r}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def section_fields(schema: type[BaseModel], loc: Sequence[Any]) -> dict[str, Any] | None:
+    """The fields of the section at `loc` (e.g. ("train",)), or None when `loc` is not one."""
+    import typing
+
+    model: Any = schema
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return None
+        annotation = fields[part].annotation
+        # `LoraConfig | None` and friends: the section is the model class among the arguments
+        candidates = [annotation, *typing.get_args(annotation)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)),
+                     None)
+        if model is None:
+            return None
+    return dict(model.model_fields)
+
+
+def _did_you_mean(schema: type[BaseModel], loc: Sequence[Any]) -> str:
+    """"; did you mean 'train.steps'?" for a key one typo away from a key of its section."""
+    import difflib
+
+    fields = section_fields(schema, loc[:-1])
+    if not fields:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(fields), n=3, cutoff=0.6)
+    prefix = "".join(f"{part}." for part in loc[:-1])
+    if not close:
+        return f"; {_dotted(loc[:-1]) or 'the top level'} has: {', '.join(fields)}"
+    return "; did you mean " + " or ".join(repr(prefix + c) for c in close) + "?"
 
 
 def read_tree(path: str | Path) -> dict[str, Any]:

@@ -36,13 +36,13 @@ STAGES_FILE = "stages.json"
 class IterateSection(Section):
     """The outer loop of `iterate` (and the RL part of `quickstart`)."""
 
-    iterations: int = Field(1, gt=0)
+    iterations: int = Field(1, gt=0)  # generate → score → curate → train → export → evaluate rounds
     # PKPO's k per iteration (PKPO §5.2.2 anneals k, e.g. [8, 8, 4, 1]); the last value
     # repeats. None = `data.pkpo_k` every iteration.
     pkpo_k: list[int] | None = None
     evaluate_initial: bool = True  # evaluate π_0 into iter_0/eval (the "before" numbers)
-    export: bool = True
-    evaluate: bool = True
+    export: bool = True  # export each iteration's policy (iter_i/export)
+    evaluate: bool = True  # evaluate each iteration's policy (iter_i/eval)
     fresh_prompts: bool = True  # iteration i samples prompts [i·N, (i+1)·N) of the split
 
 

@@ -77,18 +77,20 @@ SMOLLM2_OVERRIDES = [
 class SFTSection(Section):
     """The SFT warm start of the quickstart (gold solutions, FPA style)."""
 
-    steps: int = Field(600, ge=0)
-    learning_rate: float = Field(3e-3, gt=0)
-    batch_size: int = Field(64, gt=0)
-    num_prompts: int = Field(4000, gt=0)
-    eval_every: int = Field(100, gt=0)
+    steps: int = Field(600, ge=0)  # most SFT steps
+    learning_rate: float = Field(3e-3, gt=0)  # SFT learning rate
+    batch_size: int = Field(64, gt=0)  # SFT records per step
+    num_prompts: int = Field(4000, gt=0)  # gold solutions trained on
+    eval_every: int = Field(100, gt=0)  # pass@1 probe every this many steps
+    # stop SFT once the probe reaches this pass@1
     target_pass_at_1: float | None = Field(0.2, ge=0, le=1)
-    eval_questions: int = Field(64, gt=0)
-    eval_n: int = Field(4, gt=0)
+    eval_questions: int = Field(64, gt=0)  # probe questions
+    eval_n: int = Field(4, gt=0)  # probe samples per question
 
 
 class QuickstartConfig(IterateConfig):
     sft: SFTSection = Field(default_factory=SFTSection)
+    # vocabulary of the byte-pair tokenizer the quickstart trains
     tokenizer_vocab_size: int = Field(384, gt=260)
 
 

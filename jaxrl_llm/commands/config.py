@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from jaxrl_llm.config import ConfigError, dump_config, load_config
+from jaxrl_llm.config import ConfigError, load_config
 
 # --schema name -> "module:class"; imported on use so `--help` stays fast.
 SCHEMAS: dict[str, str] = {
@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--schema", choices=("auto", *SCHEMAS), default="auto",
                         help="which command's config the file is (default: from its keys)")
+    parser.add_argument("--reference", action="store_true",
+                        help="print every key with its type, default and description "
+                             "(docs/configuration.md) instead")
 
 
 def schema_class(name: str) -> type[Any]:
@@ -83,6 +86,11 @@ def load_experiment_config(path: str | None, overrides: Sequence[str]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reference:
+        from jaxrl_llm.config_docs import render
+
+        print(render(), end="")
+        return 0
     name = args.schema
     if name == "auto":
         name = pick_schema(top_level_keys(args.config, args.overrides))
@@ -91,28 +99,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise ConfigError(f"{err} (read as a {name!r} config; --schema "
                           f"{'|'.join(SCHEMAS)} picks another)") from err
-    print(_with_architecture(config), end="")
+    from jaxrl_llm.config_docs import with_architecture
+
+    print(with_architecture(config), end="")
     return 0
-
-
-def _with_architecture(config: Any) -> str:
-    """The config's YAML, with a pretrained model's architecture as its weights have it
-    (the `model:` architecture keys only build source=random models)."""
-    model = getattr(config, "model", None)
-    if model is None or model.source == "random":
-        return dump_config(config)
-    from jaxrl_llm.errors import ModelFileError
-    from jaxrl_llm.models.loading import architecture_of
-
-    try:
-        found = architecture_of(model)
-    except (ConfigError, ModelFileError, OSError) as err:
-        return f"# model: architecture not read ({err})\n" + dump_config(config)
-    if found is None:
-        return (f"# model: {model.path or model.source} is not reachable from here: the "
-                "architecture below is the config's own\n" + dump_config(config))
-    fields, where = found
-    config = config.model_copy(update={"model": model.model_copy(update=fields)})
-    return (f"# model: source={model.source}; its architecture ({fields['num_layers']} layers, "
-            f"hidden {fields['hidden_size']}, vocabulary {fields['vocab_size']}) as read from "
-            f"{where}\n" + dump_config(config))

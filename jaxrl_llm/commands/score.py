@@ -28,18 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.data.stages import scored_directory, stage_input
-    from jaxrl_llm.models.loading import decoder_config, load_model
+    from jaxrl_llm.models.loading import check_weights_found, decoder_config, load_model
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.preflight import check_all_records
     from jaxrl_llm.train.score import score_records
 
     config = load_experiment_config(args.config, args.overrides)
+    mesh = make_mesh(config.mesh)  # the configuration (mesh, model) before any record is read
+    check_weights_found(config.model)
+    vocab_size = decoder_config(config.model).vocab_size
     # data/stages.py: reads data.records, writes generate.score_output or <records>-scored.
     records = stage_input(config, "score", args.records)
     out = args.out or scored_directory(config, records)
     # Every record, before any is scored: an id past the model's vocabulary embeds as NaN.
-    check_all_records(records, decoder_config(config.model).vocab_size)
-    mesh = make_mesh(config.mesh)
+    check_all_records(records, vocab_size)
     model = load_model(config.model, seed=config.seed, mesh=mesh).model  # already sharded
     metrics = score_records(model, records, out, temperature=args.temperature,
                             batch_size=config.generate.score_batch_size,

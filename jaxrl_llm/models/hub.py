@@ -22,11 +22,14 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 
 
 def is_hub_id(path: str | os.PathLike | None) -> bool:
-    """True for `org/name` strings that are not an existing local path (nor `./…`, `gs://…`)."""
+    """True for `org/name` strings that are not an existing local path (nor `./…`, `gs://…`),
+    and whose `org` is not a local directory: `models/my-modle` next to a `models/` directory
+    is a mistyped local path, never sent to the Hub."""
     if path is None:
         return False
     text = os.fspath(path)
-    return bool(_HUB_ID.match(text)) and not text.endswith(".gguf") and not Path(text).exists()
+    return (bool(_HUB_ID.match(text)) and not text.endswith(".gguf") and not Path(text).exists()
+            and not Path(text.split("/", 1)[0]).is_dir())
 
 
 def hub_cache_dir() -> str:

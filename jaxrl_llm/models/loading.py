@@ -78,6 +78,24 @@ def weights_path(model_config: Any, *, files: list[str] | None = None) -> str:
                       "model.source=random for a randomly initialised model)")
 
 
+def check_weights_found(model_config: Any) -> None:
+    """A `ConfigError` naming `model.path` when a pretrained source's local file or directory
+    does not exist (with what its parent directory holds), before any long work starts."""
+    m = model_config
+    if m.source == "random":
+        return
+    path = weights_path(m, files=["config.json"])
+    if "://" in path or Path(path).exists():
+        return
+    from jaxrl_llm.errors import ConfigError
+
+    parent = Path(path).parent
+    near = sorted(p.name for p in parent.iterdir())[:12] if parent.is_dir() else []
+    holds = f"; {parent}/ holds: {', '.join(near)}" if near else ""
+    raise ConfigError(f"model.path={m.path!r}: no such {'file' if m.source != 'hf' else 'directory'} "
+                      f"({Path(path).resolve()}){holds}")
+
+
 def decoder_config(model_config: Any) -> DecoderConfig:
     """The `DecoderConfig` the policy will have, without reading weights.
 
@@ -199,5 +217,6 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str
 
 
 __all__ = ["ARCHITECTURE_KEYS", "LoadedModel", "architecture_of", "check_tokenizer_fits",
+           "check_weights_found",
            "decoder_config", "load_model", "numerics",
            "random_model", "source_tokenizer", "weights_path"]

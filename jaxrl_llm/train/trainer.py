@@ -98,6 +98,22 @@ class Trainer:
         )
 
         self.config = config
+        # The configuration first (mesh, batch split, model source), then the data: a wrong
+        # config must not wait behind a long check of every record.
+        self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
+        check_batch_divides(config, self.mesh)
+        if model is None:  # a missing or unreadable model.path, named
+            from jaxrl_llm.models.loading import check_weights_found, decoder_config
+
+            check_weights_found(config.model)
+            decoder_config(config.model)
+        if config.train.eval_every and eval_hook is None:  # never accepted and ignored
+            from jaxrl_llm.errors import ConfigError
+
+            raise ConfigError(
+                f"train.eval_every={config.train.eval_every} needs an evaluation: `jaxrl-llm "
+                "train` builds one (eval.* keys); from Python pass Trainer(eval_hook=...); "
+                "`iterate` evaluates after each iteration instead: unset train.eval_every")
         # `records` wins; else data.curated, the scored records, data.records (data/stages.py).
         self.records = stage_input(config, "train", records)
         # Refuse records this loss cannot train on (μ, reference log-probs, μ's temperature).
@@ -106,15 +122,6 @@ class Trainer:
         check_all_records(self.records, model_vocab_size(config),  # every record, before step 1
                           process_index=jax.process_index(), process_count=jax.process_count())
         self.run_dir = as_path(run_dir if run_dir is not None else config.run_dir)
-        self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
-        check_batch_divides(config, self.mesh)
-        if config.train.eval_every and eval_hook is None:  # never accepted and ignored
-            from jaxrl_llm.errors import ConfigError
-
-            raise ConfigError(
-                f"train.eval_every={config.train.eval_every} needs an evaluation: `jaxrl-llm "
-                "train` builds one (eval.* keys); from Python pass Trainer(eval_hook=...); "
-                "`iterate` evaluates after each iteration instead: unset train.eval_every")
         self.eval_hook, self.on_batch, self.on_step = eval_hook, on_batch, on_step
         if config.train.record_trace:  # data-order audit (train/record_trace.py)
             from jaxrl_llm.train.record_trace import RecordTrace
