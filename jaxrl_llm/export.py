@@ -43,13 +43,24 @@ def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
 
 def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None) -> None:
     from jaxrl_llm.models import hf
+    from jaxrl_llm.progress import progress_bar
+
+    bar = progress_bar(None, desc=f"export {out.name}", unit="tensor")
+
+    def on_tensor(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done)
 
     # Built in a temporary sibling, renamed onto `out` when complete (the old export, if
     # any, stays whole until then).
-    with atomic_directory(out, overwrite=True) as tmp:
-        hf.save_pretrained(model, tmp, tokenizer=tokenizer, dtype=dtype,
-                           generation_config=_special_ids(tokenizer) or None)
-        _save_lora_adapter(model, Path(tmp), dtype=dtype)
+    try:
+        with atomic_directory(out, overwrite=True) as tmp:
+            hf.save_pretrained(model, tmp, tokenizer=tokenizer, dtype=dtype,
+                               generation_config=_special_ids(tokenizer) or None,
+                               on_tensor=on_tensor)
+            _save_lora_adapter(model, Path(tmp), dtype=dtype)
+    finally:
+        bar.close()
 
 
 # Where a LoRA run's export keeps its adapters (beside the merged weights, in a

@@ -3,17 +3,20 @@
 tqdm redraws one line with carriage returns, which a log file or a CI console shows as one
 ever-growing line (or nothing until the end). When stderr is not a terminal, `progress_bar`
 returns a tqdm whose every refresh is a whole line ("generate: 16/64 prompts (25%) 0:41
-elapsed, 2:03 left"), at most every `LINE_INTERVAL_S` seconds, plus the last one.
+elapsed, 2:03 left"), at most every `LINE_INTERVAL_S` seconds (`JAXRL_PROGRESS_INTERVAL_S`),
+plus the last one.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 from tqdm.auto import tqdm
 
 LINE_INTERVAL_S = 10.0  # a plain line at most this often (a terminal bar redraws at 10 Hz)
+INTERVAL_ENV = "JAXRL_PROGRESS_INTERVAL_S"  # overrides it (0: a line at every update)
 
 
 class LineProgress(tqdm):  # type: ignore[misc]
@@ -49,11 +52,22 @@ def is_terminal(stream: Any = None) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
 
 
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
 def progress_bar(total: int | None = None, *, desc: str, unit: str, enabled: bool = True,
                  initial: int = 0) -> Any:
     """A tqdm bar (terminal) or a `LineProgress` (log) on stderr; disabled when not `enabled`."""
     if is_terminal():
+        # A terminal that reports no size (some ptys: 0×0) would hide the bar: tqdm draws none
+        # below the screen's last row. Give it one.
+        sized = _columns() > 0
         return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, initial=initial,
-                    dynamic_ncols=True)
+                    dynamic_ncols=sized, ncols=None if sized else 100, nrows=None if sized else 24)
+    interval = float(os.environ.get(INTERVAL_ENV, LINE_INTERVAL_S))
     return LineProgress(total=total, desc=desc, unit=unit, disable=not enabled, initial=initial,
-                        mininterval=LINE_INTERVAL_S, file=sys.stderr)
+                        mininterval=interval, miniters=1, file=sys.stderr)

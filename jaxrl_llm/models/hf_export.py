@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,7 @@ def save_pretrained(
     dtype: Any = None,
     max_shard_bytes: int = 5 * 1024**3,
     generation_config: Mapping[str, Any] | None = None,
+    on_tensor: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write a HF directory that transformers and vLLM load.
 
@@ -112,7 +113,10 @@ def save_pretrained(
     pending: dict[str, np.ndarray] = {}
     total = 0
     # Host memory holds one shard at a time (plus the Variable being read).
+    count = sum(len(shard) for shard in plan)
     for hf_name, array in _hf_tensors(model, out_dtype):
+        if on_tensor is not None:  # progress: (tensors done, of how many)
+            on_tensor(1, count)
         pending[hf_name] = array
         total += array.nbytes
         k = shard_of[hf_name]

@@ -1,0 +1,67 @@
+"""Issue 33, progress: every stage that can take more than a few seconds says how far it is —
+a tqdm bar on a terminal, whole lines in a log (one per update here: JAXRL_PROGRESS_INTERVAL_S=0;
+by default at most one every 10 s). `generate` and `evaluate` move after every prompt batch
+(the bar used to count chunks of four batches and sat at 0 %)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import subprocess
+from pathlib import Path
+
+from tests.faults.harness import command
+from tests.user.cli import jaxrl, user_env
+
+CONFIG = ("run_dir: run\nmesh: {data: 1}\nloss: {name: topr}\n"
+          "train: {steps: 2, batch_size: 8, max_seq_len: 160, checkpoint_every: 2}\n"
+          "generate: {n: 2, max_new_tokens: 8, batch_size: 4, output: recs}\n"
+          "data: {num_prompts: 12, records: recs}\neval: {n: 2, num_questions: 8, batch_size: 4}\n")
+
+
+def _lines(text: str, stage: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in re.findall(rf"^{stage}[^:\n]*: (\d+)/(\d+) ", text, re.M)]
+
+
+def test_every_stage_prints_progress_lines_in_a_log(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    env = {"JAXRL_PROGRESS_INTERVAL_S": "0"}
+    runs = {stage: jaxrl(tmp_path, *args, **env) for stage, args in (
+        ("generate", ("generate", "--config", "c.yaml")),
+        ("score", ("score", "--config", "c.yaml")),
+        ("train", ("train", "--config", "c.yaml")),
+        ("export", ("export", "--checkpoint", "run", "--out", "hf")),
+        ("evaluate", ("evaluate", "--config", "c.yaml", "--model", "hf")))}
+    for stage, done in runs.items():
+        assert done.returncode == 0, (stage, done.stderr[-2000:])
+        assert "\r" not in done.stderr, stage  # no carriage-return redraws in a log
+    assert _lines(runs["generate"].stderr, "generate") == [(0, 12), (4, 12), (8, 12), (12, 12)]
+    assert _lines(runs["evaluate"].stderr, "evaluate") == [(0, 8), (4, 8), (8, 8)]
+    assert _lines(runs["score"].stderr, "score")[-1] == (24, 24)
+    assert _lines(runs["train"].stderr, "train")[-1] == (2, 2)
+    exported = _lines(runs["export"].stderr, "export")
+    assert exported[-1][0] == exported[-1][1] > 10  # every tensor of the model
+
+
+def test_a_terminal_gets_a_tqdm_bar(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run(command(["generate", "--config", "c.yaml"]), cwd=tmp_path,
+                              env=user_env(), stdout=subprocess.PIPE, stderr=follower, timeout=600)
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(leader)
+    err = b"".join(chunks).decode(errors="replace")
+    assert done.returncode == 0, err[-2000:]
+    assert "\r" in err and "12/12" in err and "prompt/s" in err, err[-1000:]
