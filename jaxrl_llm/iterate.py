@@ -255,7 +255,7 @@ def run_iteration(
         if result.stopped:
             from jaxrl_llm.train.preemption import Preempted
 
-            raise Preempted(f"iteration {index}: training stopped by SIGTERM at step "
+            raise Preempted(f"iteration {index}: training stopped by SIGTERM or Ctrl-C at step "
                             f"{result.step}; re-run to resume")
         new_model = result.state.model()
         log.mark("train", {"steps": result.step, "checkpoints": str(result.checkpoint_dir),

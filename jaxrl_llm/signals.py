@@ -34,8 +34,9 @@ def last_signal() -> int | None:
 
 
 def signal_name(signum: int | None) -> str:
-    return {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}.get(
-        signum, "a stop request")  # type: ignore[arg-type]
+    """How messages name the signal; None (JAX's multi-host preemption sync, which catches
+    SIGTERM itself, or a programmatic request) is SIGTERM, as its exit code 143 says."""
+    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else "SIGTERM"
 
 
 class Interrupted(Exception):
