@@ -8,7 +8,10 @@ completion tokens at one temperature. Records: GSM8K 8-shot sized (prompt 600–
 completion 40–250), random tokens, 8 per batch, scored at T = 0.7. Each side runs twice in one
 process: the first run includes its compiles, the second reuses them.
 
-    python benchmarks/score_pass.py [--records 64] [--out benchmarks/results/score_pass.json]
+    python benchmarks/score_pass.py [--records 64] [--unrolled] [--out benchmarks/results/score_pass.json]
+
+`--unrolled`: the layers unrolled (`model.scan_layers=false`, the default for pretrained
+models before issue 33) instead of scanned.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def plain_forward(logprobs, records) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=64)
+    parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=false")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/score_pass.json"))
     args = parser.parse_args()
     from benchmarks.machine import cpu_name
@@ -84,7 +88,8 @@ def main() -> None:
     from jaxrl_llm.models.loading import load_model
     from jaxrl_llm.train.score import score_records
 
-    model = load_model(ModelConfig(source="smollm2")).model
+    model = load_model(ModelConfig(source="smollm2", scan_layers=not args.unrolled,
+                                   remat="none")).model
     records = make_records(args.records, model.config.vocab_size)
     forward = forward_fn(model)
     result = {"benchmark": __doc__.splitlines()[0], "cpu": cpu_name(), "records": args.records,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import typing
 from typing import Any
 
@@ -55,7 +56,7 @@ def _type_name(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return " \\| ".join(f"`{a!r}`" if isinstance(a, str) else f"`{a}`" for a in args)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " \\| ".join(_type_name(a) for a in args)
     if origin is list:
         return f"list of {_type_name(args[0])}" if args else "list"

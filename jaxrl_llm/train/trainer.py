@@ -290,9 +290,10 @@ class Trainer:
                                    meta=self._meta(step, state), force=True)
             self.checkpointer.wait()
         finally:
+            # Handlers first: wandb's finish() (in logger.close) loses its last rows under ours.
+            _restore_sigterm(self._stop)
             bar.close()
             logger.close()
-            _restore_sigterm(self._stop)
         return TrainResult(
             step=step, state=state, stopped=stopped, run_dir=self.run_dir,
             checkpoint_dir=self.checkpoint_dir, metrics_path=logger.path,

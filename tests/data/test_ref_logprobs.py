@@ -134,7 +134,7 @@ def test_trainer_refuses_before_building_anything(unscored, tmp_path):
     from jaxrl_llm.train.trainer import Trainer
 
     cfg = config_from_dict({"run_dir": str(tmp_path / "run"), "loss": {"name": "kto"},
-                            "data": {"records": str(unscored)}, "train": {"batch_size": 4}})
+                            "data": {"records": str(unscored)}, "train": {"batch_size": 8}})
     with pytest.raises(ConfigError, match="jaxrl-llm score"):
         Trainer(cfg, progress=False, tensorboard=False)
     assert not (tmp_path / "run").exists()

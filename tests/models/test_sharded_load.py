@@ -146,6 +146,7 @@ def test_train_state_from_hf_on_8_devices_keeps_every_array_sharded(hf_pair, mon
     _, hf_dir = hf_pair
     config = config_from_dict({
         "model": {"source": "hf", "path": str(hf_dir), "param_dtype": "bfloat16",
+                  "scan_layers": False,  # indexed per layer below
                   "compute_dtype": "bfloat16"},
         "loss": {"name": "fpa"}, "mesh": {"data": 1, "fsdp": 8, "tensor": 1},
         "optim": {"name": "adamw", "master_weights_fp32": True}})
@@ -189,7 +190,8 @@ def test_gguf_source_is_sharded_and_carries_its_tokenizer(gguf_pair):
     torch_model, path = gguf_pair
     mesh = _mesh("data2_fsdp2_tensor2")
     model, tokenizer = loading.load_model(
-        _model_config(source="gguf", path=str(path), param_dtype="bfloat16"), mesh=mesh)
+        _model_config(source="gguf", path=str(path), param_dtype="bfloat16", scan_layers=False),
+        mesh=mesh)
     q = torch_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
     want = q.T.reshape(64, 4, 16).astype(jnp.bfloat16)  # llama.cpp's row permutation undone
     _assert_only_own_shards(_get(model, "layers.0.attn.q"), want, mesh)
