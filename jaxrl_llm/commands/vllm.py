@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jaxrl_llm.commands.config import pick_schema, schema_class, top_level_keys
     from jaxrl_llm.config import load_config
-    from jaxrl_llm.generate.vllm_host import serve_iterations
+    from jaxrl_llm.generate.vllm_host import die_with_parent, serve_iterations
 
     # An iterate config, or a quickstart one (its run dir's config.json, as iterate starts it).
     name = pick_schema(top_level_keys(args.config, args.overrides))
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                          schema=schema_class("iterate" if name == "experiment" else name))
     # SIGTERM (iterate stopping its local host) unwinds, so the engine's processes stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    die_with_parent()
     serve_iterations(config, poll_seconds=args.poll_seconds, timeout=args.timeout,
                      progress=not args.no_progress)
     return 0

@@ -24,7 +24,7 @@ from typing import Any
 from etils import epath
 
 from jaxrl_llm.atomic import atomic_write_text
-from jaxrl_llm.data.records import Record
+from jaxrl_llm.data.records import Record, RecordError
 from jaxrl_llm.data.shards import (
     MANIFEST_NAME,
     Manifest,
@@ -36,8 +36,9 @@ from jaxrl_llm.data.shards import (
 PROGRESS_NAME = "progress.json"
 
 
-class ResumeMismatch(ValueError):
-    """A partial record directory written by a run with other settings."""
+class ResumeMismatch(RecordError):
+    """A record directory this run cannot resume: written by a run with other settings, or
+    already complete."""
 
 
 def chunk_shard_name(chunk: int) -> str:
@@ -67,7 +68,7 @@ class ChunkedRecordWriter:
                 if old.exists():
                     old.unlink()
         if (self.directory / MANIFEST_NAME).exists():
-            raise FileExistsError(f"{self.directory} already holds complete records (manifest.json); "
+            raise ResumeMismatch(f"{self.directory} already holds complete records (manifest.json); "
                                   "pass --overwrite to replace them")
         if progress.exists():
             state = json.loads(progress.read_text())

@@ -146,15 +146,24 @@ def serve_iterations(config: Any, *, poll_seconds: float = 2.0, timeout: float |
                 engine.close()
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux), so a killed
-    `iterate` does not leave its engine running."""
+PARENT_ENV = "JAXRL_VLLM_HOST_PARENT"
+
+
+def die_with_parent() -> None:
+    """In a host started by `LocalHost`: get SIGTERM when the parent `iterate` dies (Linux
+    prctl PR_SET_PDEATHSIG), so a killed trainer does not leave an engine running; exit at
+    once if it is already gone."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
         pass
+    if os.getppid() != int(parent):
+        sys.exit(143)
 
 
 class LocalHost:
@@ -166,8 +175,9 @@ class LocalHost:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "jaxrl_llm.cli", "vllm", "host", "--config", config_file]
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                        stdin=subprocess.DEVNULL, env=env)
 
     def check_alive(self) -> None:
         code = self.process.poll()
