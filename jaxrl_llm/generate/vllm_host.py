@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.run_layout import (
     iteration_dir,
     policy_dir,
@@ -39,8 +40,9 @@ LOCK_NAME = "vllm_host.lock"
 LOG_NAME = "vllm_host.log"
 
 
-class HostError(RuntimeError):
-    """The vLLM host stopped, or did not deliver records in time."""
+class HostError(ConfigError):
+    """The vLLM host cannot serve the run (another host holds it), stopped, or did not
+    deliver records in time; the CLI prints the message and exits 2, no traceback."""
 
 
 def _say(progress: bool, text: str) -> None:
