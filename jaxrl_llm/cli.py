@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "evaluate": "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json",
     "iterate": "generate → score → curate → train → export → evaluate, per iteration",
     "quickstart": "the whole flow on CPU in minutes: SFT, TOPR, before/after table",
+    "vllm": "vLLM: install (GPU or CPU build) | check | host (the sampler of an iterate run)",
 }
 
 # Commands that place arrays on devices: on a TPU pod / SLURM job / JAXRL_* launch every host

