@@ -6,10 +6,9 @@ A prompt batch is prefilled once (`prefill`); its n samples per prompt then shar
 (`decode_segment`: a `lax.while_loop` up to a given step, exiting early when every row has
 stopped). Between segments the driver may keep only the rows still running (`select_rows`,
 a gather along the row axis of the cache and of every loop buffer), so finished rows stop
-costing compute. Sampling is invariant under that selection: a row's Gumbel noise is taken
-from a draw for the whole original batch at its original row index, i.e. each token is
-`argmax(processed_logits + gumbel(step_key, [rows₀, V])[row])`, which is exactly
-`jax.random.categorical(step_key, processed_logits)` of the full batch.
+costing compute. Sampling is invariant under that selection: a row's uniform is taken from a
+draw for the whole original batch at its original row index, and its token is the inverse CDF
+of softmax(processed_logits) at `uniform(step_key, [rows₀])[row]` (`inverse_cdf_token`).
 
 The cache holds only the slots the current window of steps can fill (`prefill(cache_len=)`,
 then `grow_cache` pads the slot axis with empty slots): a decode step's attention reads every
@@ -90,6 +89,45 @@ def first_argmax(x: Array) -> Array:
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
+_CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
+def _last_true(mask: Array, upto: Array) -> Array:
+    """Per row, the last index i <= upto[row] with mask[row, i] (else the first true index):
+    mask [B, N] bool, upto [B] int32 -> [B] int32."""
+    index = jax.lax.broadcasted_iota(jnp.int32, mask.shape, 1)
+    below = jnp.max(jnp.where(mask & (index <= upto[:, None]), index, -1), axis=-1)
+    first = jnp.min(jnp.where(mask, index, mask.shape[1] - 1), axis=-1)
+    return jnp.where(below >= 0, below, first)
+
+
+def inverse_cdf_token(u: Array, logits: Array) -> tuple[Array, Array]:
+    """A draw from softmax(logits) given u ~ U[0, 1) per row: the token whose interval of the
+    cumulative distribution holds u. logits [B, V] float32 (-inf: excluded), u [B] ->
+    (token [B] int32, logsumexp(logits) [B]).
+
+    Why not Gumbel-max (`argmax(logits + gumbel)`): it draws B×V numbers per step, and
+    threefry on XLA:CPU took as long as the 49k-vocabulary output product at batch 32. This
+    draws B: one exp over [B, V], block sums, and two short cumsums (a [B, V] cumsum is slow on
+    XLA:CPU). Rounding can never pick an excluded token: a pick without mass moves to the
+    nearest token before it that has some (`_last_true`)."""
+    b, v = logits.shape
+    chex.assert_shape(u, (b,))
+    blocks = -(-v // _CDF_BLOCK)
+    x = jnp.pad(logits, ((0, 0), (0, blocks * _CDF_BLOCK - v)), constant_values=-jnp.inf)
+    top = jnp.max(x, axis=-1)
+    p = jnp.exp(x - top[:, None]).reshape(b, blocks, _CDF_BLOCK)
+    mass = jnp.sum(p, axis=-1)  # [B, blocks]
+    upto = jnp.cumsum(mass, axis=-1)
+    target = u * upto[:, -1]
+    block = _last_true(mass > 0, jnp.sum(upto <= target[:, None], axis=-1))
+    before = jnp.take_along_axis(upto - mass, block[:, None], axis=-1)[:, 0]
+    row = jnp.take_along_axis(p, block[:, None, None], axis=1)[:, 0, :]  # [B, block]
+    within = jnp.cumsum(row, axis=-1)
+    j = _last_true(row > 0, jnp.sum(within <= (target - before)[:, None], axis=-1))
+    return block * _CDF_BLOCK + j, top + jnp.log(upto[:, -1])
+
+
 def chosen_logprob(x: Array, token: Array) -> Array:
     """`log_softmax(x)[token]` per row of sampler logits x [B, V], without materialising the
     [B, V] log-softmax (the trainer's `losses.logprobs.token_logprobs` starts from hidden
@@ -111,9 +149,9 @@ def sample_step(key: Array, logits: Array, temperature: Array, top_p: Array, row
         raw_lp = chosen_logprob(logits, token)
         return token, jnp.zeros_like(raw_lp), raw_lp
     processed = process_logits(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
-    noise = jax.random.gumbel(key, (total_rows, logits.shape[-1]), jnp.float32)[row_ids]
-    token = first_argmax(processed + noise)
-    lp = chosen_logprob(processed, token)
+    u = jax.random.uniform(key, (total_rows,), jnp.float32)[row_ids]
+    token, lse = inverse_cdf_token(u, processed)
+    lp = jnp.take_along_axis(processed, token[:, None], axis=-1)[:, 0] - lse
     filtered = use_top_p or 0 < top_k < logits.shape[-1]
     # Without top-k/top-p the processed logits are logits / temperature: the same log-prob.
     raw_lp = chosen_logprob(logits / temperature, token) if filtered else lp

@@ -8,6 +8,7 @@ by a brute-force numpy implementation.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -209,7 +210,9 @@ def test_default_buckets_are_powers_of_two_and_their_halfway_points():
 def test_stop_tokens_end_a_row(sampler, sampled):
     # Same key and params as `sampled` plus a stop token: identical draws until it appears.
     greedy = sampled
-    stop = int(greedy.tokens[2, 2])  # row 2 emits it as its 3rd token
+    # row 2's first token from its 3rd on that it has not emitted before
+    k = next(k for k in range(2, MAX_NEW) if greedy.tokens[2, k] not in greedy.tokens[2, :k])
+    stop = int(greedy.tokens[2, k])
     first = [int(np.argmax(row == stop)) if stop in row else None for row in greedy.tokens]
     out = sampler.generate(
         PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, n=2,
@@ -225,8 +228,8 @@ def test_stop_tokens_end_a_row(sampler, sampled):
         np.testing.assert_array_equal(out.tokens[row, :end], greedy.tokens[row, :end])
         np.testing.assert_array_equal(out.tokens[row, end:], PAD)
         np.testing.assert_array_equal(out.raw_logprobs[row, end:], 0.0)
-    assert out.lengths[2] == 3 and out.finish_reason[2] == FINISH_STOP
-    assert out.completions()[2] == greedy.tokens[2, :3].tolist()
+    assert out.lengths[2] == k + 1 and out.finish_reason[2] == FINISH_STOP
+    assert out.completions()[2] == greedy.tokens[2, :k + 1].tolist()
 
 
 def test_same_key_same_samples_and_n_samples_are_distinct(sampler, sampled):
@@ -255,3 +258,53 @@ def test_bad_arguments_are_clear_errors(sampler):
         sampler.generate([[]], SamplingParams(max_new_tokens=2), jax.random.key(0))
     with pytest.raises(ValueError, match="cache_windows=0 must be >= 1"):
         Sampler(sampler.model, cache_windows=0)
+
+
+def test_inverse_cdf_token_is_the_float64_inverse_cdf_and_never_an_excluded_token():
+    from jaxrl_llm.models.decode_program import inverse_cdf_token
+
+    rng = np.random.default_rng(2)
+    b, v = 64, 700  # not a multiple of the 256-token block
+    logits = (rng.normal(size=(b, v)) * 3).astype(np.float32)
+    logits[rng.random((b, v)) < 0.5] = -np.inf  # top-k/top-p style exclusions
+    logits[0, :] = -np.inf
+    logits[0, 333] = 1.0  # one admissible token, in the middle of a block
+    u = rng.random(b).astype(np.float32)
+    u[1], u[2] = 0.0, np.nextafter(np.float32(1), np.float32(0))  # both ends of [0, 1)
+    token, lse = (np.asarray(a) for a in inverse_cdf_token(jnp.asarray(u), jnp.asarray(logits)))
+    p = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+    cdf = np.cumsum(p, -1) / p.sum(-1, keepdims=True)
+    want = np.array([np.searchsorted(cdf[r], u[r], side="right") for r in range(b)])
+    want = np.minimum(want, v - 1)
+    near_edge = np.array([np.min(np.abs(cdf[r][np.isfinite(logits[r])] - u[r])) < 1e-5
+                          for r in range(b)])
+    assert near_edge.sum() <= 3
+    np.testing.assert_array_equal(token[~near_edge], want[~near_edge])
+    assert np.all(np.isfinite(logits[np.arange(b), token])), "an excluded token was drawn"
+    assert token[0] == 333
+    first_ok = np.argmax(np.isfinite(logits[1]))
+    last_ok = v - 1 - np.argmax(np.isfinite(logits[2][::-1]))
+    assert token[1] == first_ok and token[2] == last_ok
+    np.testing.assert_allclose(lse, np.log(np.sum(np.exp(logits.astype(np.float64)), -1)),
+                               rtol=1e-6)
+
+
+def test_sampled_token_frequencies_match_softmax():
+    # Over many step keys the sampling step draws each token with its softmax probability
+    # (6 SE bound per token), and a top-k of 3 never leaves its three tokens.
+    from jaxrl_llm.models.decode_program import sample_step
+
+    logits = jnp.asarray(np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05] + [1e-9] * 295])),
+                         jnp.float32)
+    draws = 4000
+    keys = jax.random.split(jax.random.key(4), draws)
+    sample = jax.jit(jax.vmap(lambda k: sample_step(
+        k, logits, jnp.float32(1.0), jnp.float32(1.0), jnp.zeros((1,), jnp.int32), 1,
+        greedy=False, top_k=0, use_top_p=False)[0][0]))
+    counts = np.bincount(np.asarray(sample(keys)), minlength=300)[:5]
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    assert np.all(np.abs(counts / draws - p) < 6 * np.sqrt(p * (1 - p) / draws)), counts
+    top3 = jax.jit(jax.vmap(lambda k: sample_step(
+        k, logits, jnp.float32(1.0), jnp.float32(1.0), jnp.zeros((1,), jnp.int32), 1,
+        greedy=False, top_k=3, use_top_p=False)[0][0]))
+    assert set(np.unique(np.asarray(top3(keys)))) == {0, 1, 2}
