@@ -11,7 +11,7 @@ process: the first run includes its compiles, the second reuses them.
     python benchmarks/score_pass.py [--records 64] [--unrolled] [--out benchmarks/results/score_pass.json]
 
 `--unrolled`: the layers unrolled (`model.scan_layers=false`, the default for pretrained
-models before issue 33) instead of scanned.
+models before scanned layers became their default) instead of scanned.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 user runs it: the command in a child process, from a temp directory, on synthetic scored
 records of exactly the shape asked (prompt + completion = max_seq_len tokens), TOPR + AdamW.
 
-Variants (issue 33: the old defaults were 16 GB at 4×768 and an OOM kill):
-- before: `model.remat=none model.scan_layers=false` — the defaults before issue 33, the
+Variants (the old defaults reached 16 GB at 4×768 and an OOM kill):
+- before: `model.remat=none model.scan_layers=false` — the earlier defaults, the
   layers unrolled, every activation kept; `train.check_memory=false` (no check existed);
 - after: the defaults now (pretrained sources: scanned layers, remat=full; the memory check).
 
