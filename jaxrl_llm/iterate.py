@@ -48,7 +48,8 @@ class IterateSection(Section):
     # child process of iterate; `external`, `jaxrl-llm vllm host --config C` on another host
     # sharing run_dir. The trainer waits for each iteration's records (at most the timeout).
     vllm_host: Literal["local", "external"] = "local"
-    vllm_wait_timeout_s: float | None = Field(None, gt=0)
+    vllm_wait_timeout_s: float | None = Field(
+        None, gt=0, description="longest wait for the vLLM host's records (None: no limit)")
 
 
 class IterateConfig(ExperimentConfig):
