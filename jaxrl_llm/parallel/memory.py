@@ -132,9 +132,11 @@ def available_memory(device: Any) -> Available:
         import numpy as np
         from jax.experimental import multihost_utils
 
-        rooms = multihost_utils.process_allgather(np.asarray([found.bytes], np.int64))
-        found = Available(int(np.min(rooms)), found.where + " (smallest over processes)",
-                          found.host)
+        # In MiB as float32: without jax_enable_x64 an int64 byte count is gathered as int32
+        # and wraps (22 GiB read as -1.8 GiB refused a resume in the two-process test).
+        rooms = multihost_utils.process_allgather(np.asarray([found.bytes / 2**20], np.float32))
+        found = Available(int(float(np.min(rooms)) * 2**20),
+                          found.where + " (smallest over processes)", found.host)
     return found
 
 
