@@ -265,6 +265,7 @@ def test_train_and_export_through_the_cli_with_lora(tmp_path, monkeypatch):
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["peft_type"] == "LORA"
     theirs = safetensors.numpy.load_file(tmp_path / "base" / "model.safetensors")
-    q0 = np.asarray(restored.layers[0].attn.q[...])  # ours [d, H, D] = HF [H·D, d]ᵀ
+    # pretrained sources scan their layers by default: layer 0 is the stack's first slice
+    q0 = np.asarray(restored.layers.attn.q[...])[0]  # ours [d, H, D] = HF [H·D, d]ᵀ
     np.testing.assert_array_equal(
         q0.reshape(q0.shape[0], -1).T, theirs["model.layers.0.self_attn.q_proj.weight"])
