@@ -110,6 +110,9 @@ class ModelConfig(Section):
         return self
 
 
+_STALE_IS_LOSSES = ("cispo", "gspo", "icepop", "m2po", "vespo")  # their options' prefixes
+
+
 class LossConfig(Section):
     """Which loss kernel and its options (losses/, docs/kernels.md)."""
 
@@ -136,8 +139,32 @@ class LossConfig(Section):
     clip_eps_high: float | None = Field(None, ge=0)
     # PPO/GRPO dual clip (arXiv:1912.09729): loss ≤ −c·A for A < 0; c > 1; None = off.
     dual_clip_c: float | None = None
-    # GRPO's group std: 0 population (default), 1 sample std as verl / TRL / Tunix.
+    # GRPO's (and cispo/gspo/icepop/m2po/vespo's) group std: 0 population, 1 sample std (verl / TRL)
     std_ddof: Literal[0, 1] = 0
+    # cispo: lower clip ε_low^IS of the IS weight (1 − ε_low); null = no lower bound (arXiv:2506.13585)
+    cispo_eps_low: float | None = Field(None, ge=0, le=1)
+    # cispo: upper clip ε_high^IS of the stop-gradient IS weight (1 + ε_high)
+    cispo_eps_high: float = Field(0.28, ge=0)
+    # gspo: lower clip of the sequence ratio s (1 − ε), 3e-4 in arXiv:2507.18071
+    gspo_eps_low: float = Field(3e-4, ge=0, le=1)
+    # gspo: upper clip of the sequence ratio s (1 + ε), 4e-4 in arXiv:2507.18071
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    # icepop: tokens with ratio π/μ below α get no gradient (arXiv:2510.18855: 0.5)
+    icepop_alpha: float = Field(0.5, ge=0)
+    # icepop: tokens with ratio π/μ above β get no gradient (arXiv:2510.18855: 5)
+    icepop_beta: float = Field(5.0, gt=0)
+    # icepop: mask per token (ratio π_t/μ_t) or per record (ratio π(y)/μ(y), TRL's sequence_mask)
+    icepop_level: Literal["token", "sequence"] = "token"
+    # m2po: second-moment budget τ_M2 of mean (log π/μ)² over the kept tokens (arXiv:2510.01161)
+    m2po_tau: float = Field(0.04, gt=0)
+    # vespo: shape k of φ(W) = W^k e^{λ(1−W)} for records with advantage ≥ 0 (arXiv:2602.10693)
+    vespo_k_pos: float = Field(2.0, ge=0)
+    # vespo: rate λ of φ(W) for records with advantage ≥ 0
+    vespo_lambda_pos: float = Field(3.0, gt=0)
+    # vespo: shape k of φ(W) for records with advantage < 0
+    vespo_k_neg: float = Field(3.0, ge=0)
+    # vespo: rate λ of φ(W) for records with advantage < 0
+    vespo_lambda_neg: float = Field(2.0, gt=0)
     # verl's names. None = the loss's own: token-mean for ppo (token ratios) and grpo; for
     # the TOPR family length_norm's per-record normalisation (seq-mean-token-mean / -sum).
     aggregation: Literal[
@@ -191,7 +218,7 @@ class LossConfig(Section):
             "clip_eps_low": self.clip_eps_low is not None and not clip_family,
             "clip_eps_high": self.clip_eps_high is not None and not clip_family,
             "dual_clip_c": self.dual_clip_c is not None and not clip_family,
-            "std_ddof": self.std_ddof != 0 and self.name != "grpo",
+            "std_ddof": self.std_ddof != 0 and self.name != "grpo" and family != "stale_is",
             "aggregation": self.aggregation is not None and (
                 (family not in ("topr", "ppo") and self.name != "grpo")
                 or (family == "ppo" and self.ratio_level != "token")),
@@ -205,6 +232,15 @@ class LossConfig(Section):
                 "and ppo with ratio_level=token (dr_grpo fixes seq-mean-token-sum-norm); "
                 "remove the key"
             )
+        for key in self.model_fields_set:  # cispo_*, gspo_*, icepop_*, m2po_*, vespo_*
+            owner = key.split("_")[0]
+            if owner in _STALE_IS_LOSSES and owner != self.name:
+                raise ValueError(f"loss.{key} has no effect with loss.name={self.name}: it is "
+                                 f"an option of loss.name={owner}; remove the key")
+        if self.icepop_alpha >= self.icepop_beta:
+            raise ValueError(f"loss.icepop_alpha={self.icepop_alpha} must be < "
+                             f"loss.icepop_beta={self.icepop_beta}: IcePop keeps the ratios "
+                             "in [α, β] (arXiv:2510.18855: 0.5, 5)")
         if family == "topr" and self.aggregation is not None and not self.length_norm:
             raise ValueError(
                 f"loss.length_norm=false and loss.aggregation={self.aggregation} both choose "

@@ -4,7 +4,7 @@ Every part of the package that must know something about a loss reads it here �
 validation, the loader (pairs, whole groups, μ), the trainer (what to require, which metrics
 mean something), the train step (micro-batching, the frozen reference model), `score`,
 `curate` and `iterate` — so the taxonomy cannot drift between them. The kernels themselves
-live in `policy_gradient` (TOPR), `ppo`, `off_rl` and `preference`; docs/kernels.md gives each formula and its paper
+live in `policy_gradient` (TOPR), `ppo`, `stale_is`, `off_rl` and `preference`; docs/kernels.md gives each formula and its paper
 (TOPR arXiv:2503.14286, FPA arXiv:2509.19893).
 
 Requirements, per loss:
@@ -20,7 +20,7 @@ Requirements, per loss:
 - `needs_groups`: the kernel computes statistics over a prompt's group inside the batch, so
   batches must hold whole groups.
 - `full_batch`: rows are coupled across the batch inside the kernel (pairs, KTO's batch-mean
-  z₀, A*-PO's group values), so the step cannot split the batch into micro-batches. (GRPO's
+  z₀, A*-PO's group values, M2PO's second-moment mask over all tokens), so the step cannot split the batch into micro-batches. (GRPO's
   group advantages are computed on the full batch before the split, so it can.)
 """
 
@@ -32,7 +32,7 @@ from functools import partial
 
 import numpy as np
 
-from jaxrl_llm.losses import off_rl, ppo
+from jaxrl_llm.losses import off_rl, ppo, stale_is
 from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses import preference as pref
 from jaxrl_llm.losses.types import LossOutput, finite_or_raise
@@ -45,7 +45,7 @@ class LossSpec:
 
     name: str
     kernel: Callable[..., LossOutput]
-    family: str  # "topr" | "ppo" | "group" | "off_rl" | "fpa" | "preference"
+    family: str  # "topr" | "ppo" | "group" | "stale_is" | "off_rl" | "fpa" | "preference"
     minimises: str
     # Which records count as positive (`train.grad_norm_by_sign`): "baseline" (R − baseline
     # ≥ 0, TOPR eq. 7), "group" (group advantage ≥ 0), "correct" (the verifier's flag, FPA's
@@ -74,6 +74,12 @@ def _topr(name: str, minimises: str, needs_mu: bool) -> LossSpec:
 _GROUP_INPUTS = ("logp", "logmu", "mask", "rewards", "group_ids")
 _PREFERENCE_INPUTS = ("logp", "ref_logp", "mask")
 
+
+def _stale(name: str, minimises: str, full_batch: bool = False) -> LossSpec:
+    return LossSpec(name, getattr(stale_is, f"{name}_loss"), "stale_is", minimises,
+                    positive="group", needs_mu=True, inputs=_GROUP_INPUTS, needs_groups=True,
+                    full_batch=full_batch)
+
 _SPECS = (
     # TOPR family (TOPR eq. 7 and Table 1): −Σ_y w(y) R(y) log π(y), w from the truncated ratio.
     _topr("topr", "−[R>0]·R·log π − [R<0]·[π/μ]₀¹·R·log π (TOPR eq. 7, 11)", needs_mu=True),
@@ -91,6 +97,13 @@ _SPECS = (
              "PPO surrogate, A = R − mean_group, token sum / max_len (Dr.GRPO)", positive="group",
              needs_mu=True,
              inputs=_GROUP_INPUTS, needs_groups=True),
+    # Stale-sample losses (losses/stale_is.py): group advantages Â, per-token ratios r = π/μ.
+    _stale("cispo", "−sg(clip(r, 1−ε_low, 1+ε_high))·Â·log π, token mean (arXiv:2506.13585 eq. 4–5)"),
+    _stale("gspo", "−min(sÂ, clip(s, 1±ε)Â), s = (π(y)/μ(y))^{1/|y|} (arXiv:2507.18071 eq. 5–7)"),
+    _stale("icepop", "−1[α ≤ r ≤ β]·sg(r)·Â·log π, masked IS (arXiv:2510.18855)"),
+    _stale("m2po", "−M·r·Â, M drops the largest (log r)² until their mean ≤ τ (arXiv:2510.01161)",
+           full_batch=True),
+    _stale("vespo", "−sg(φ(W))·Â·log π, W = π(y)/μ(y), φ = W^k e^{λ(1−W)} (arXiv:2602.10693)"),
     LossSpec("off_rl", off_rl.off_rl_loss, "off_rl",
              "−R·π(y)^{1/|y|}, length-normalised (FPA eq. 1)", positive="correct",
              inputs=("logp", "mask", "rewards")),

@@ -58,13 +58,14 @@ def needs_full_batch(config: ExperimentConfig) -> bool:
 
 
 def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None:
-    """Per-record advantages that need whole groups (GRPO family), computed on the full batch
-    before it is split into micro-batches; None for the other losses."""
-    if loss_spec(config.loss.name).family != "group":
+    """Per-record advantages that need whole groups (GRPO family and the stale-sample losses,
+    all std-scaled but Dr.GRPO), computed on the full batch before it is split into
+    micro-batches; None for the other losses."""
+    if loss_spec(config.loss.name).family not in ("group", "stale_is"):
         return None
     return grpo_advantages(
         batch.rewards, batch.group_ids, batch.record_mask,
-        scale_by_std=config.loss.name == "grpo", ddof=config.loss.std_ddof,
+        scale_by_std=config.loss.name != "dr_grpo", ddof=config.loss.std_ddof,
     )
 
 
@@ -200,6 +201,23 @@ def _group(spec: LossSpec, x: _Inputs) -> LossOutput:
     return spec.kernel(x.logp, x.logmu, x.mask, b.rewards, b.group_ids, **options)
 
 
+def _stale_is(spec: LossSpec, x: _Inputs) -> LossOutput:
+    lc, b = x.config.loss, x.batch
+    advantages = x.advantages
+    if advantages is None:
+        advantages = batch_advantages(x.config, b)
+    options: dict[str, Any] = {
+        "cispo": {"eps_low": lc.cispo_eps_low, "eps_high": lc.cispo_eps_high},
+        "gspo": {"eps_low": lc.gspo_eps_low, "eps_high": lc.gspo_eps_high},
+        "icepop": {"alpha": lc.icepop_alpha, "beta": lc.icepop_beta, "level": lc.icepop_level},
+        "m2po": {"tau": lc.m2po_tau},
+        "vespo": {"k_pos": lc.vespo_k_pos, "lambda_pos": lc.vespo_lambda_pos,
+                  "k_neg": lc.vespo_k_neg, "lambda_neg": lc.vespo_lambda_neg},
+    }[spec.name]
+    return spec.kernel(x.logp, x.logmu, x.mask, b.rewards, b.group_ids, advantages=advantages,
+                       record_mask=b.record_mask, std_ddof=lc.std_ddof, **options)
+
+
 def _off_rl(spec: LossSpec, x: _Inputs) -> LossOutput:
     lc, b = x.config.loss, x.batch
     if not spec.needs_ref:
@@ -256,6 +274,7 @@ def _preference(spec: LossSpec, x: _Inputs) -> LossOutput:
 
 # `LossSpec.family` → how the batch's fields are bound to the family's kernel.
 _BINDINGS: dict[str, Callable[[LossSpec, _Inputs], LossOutput]] = {
-    "topr": _topr_family, "ppo": _ppo, "group": _group, "off_rl": _off_rl, "fpa": _fpa,
+    "topr": _topr_family, "ppo": _ppo, "group": _group, "stale_is": _stale_is, "off_rl": _off_rl,
+    "fpa": _fpa,
     "preference": _preference,
 }
