@@ -583,8 +583,9 @@ def test_check_loss_inputs_names_nan_and_missing_arguments():
 def test_registry_covers_config_names_and_inputs():
     from jaxrl_llm.config import ConfigError, load_config
 
+    stale = {"cispo", "gspo", "icepop", "m2po", "vespo"}  # tests/losses/test_stale_is.py
     names = {"topr", "sft", "reinforce", "opr", "tis", "ppo", "grpo", "dr_grpo",
-             "off_rl", "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo"}
+             "off_rl", "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo"} | stale
     assert set(LOSS_SPECS) == names
     for name in names:  # the config accepts exactly the registry's names
         assert load_config(None, [f"loss.name={name}"]).loss.name == name
@@ -597,9 +598,10 @@ def test_registry_covers_config_names_and_inputs():
         if spec.family == "preference":
             continue  # pair/group fields: tests/losses/test_preference.py
         out = spec.kernel(**{k: arrays[k] for k in spec.inputs})
-        # grpo's default aggregation is token-mean (weight = tokens); the rest count records
-        expected_weight = mask.sum() if name == "grpo" else B
+        # grpo's default aggregation is token-mean (weight = tokens), as cispo, icepop, m2po and
+        # vespo's (the papers' 1/Σ|o_i|); the rest count records (gspo: 1/G)
+        expected_weight = mask.sum() if name == "grpo" or name in stale - {"gspo"} else B
         assert float(out.weight) == expected_weight and np.isfinite(float(out.loss)), name
     # the ratio losses are exactly those with μ in their inputs and a truncation bound < ∞ or PPO
     assert {n for n, s in LOSS_SPECS.items() if s.needs_mu} == {
-        "topr", "opr", "tis", "ppo", "grpo", "dr_grpo"}
+        "topr", "opr", "tis", "ppo", "grpo", "dr_grpo"} | stale
