@@ -127,8 +127,9 @@ def gspo_loss(
     with the length-normalised sequence ratio `s_i = exp(mean_t (log π_t − log μ_t))`,
     averaged over records (eq. 5's `1/G Σ_i`).
 
-    Defaults ε_low = 3e-4, ε_high = 4e-4 are the paper's (§5.1). GSPO-token (eq. 13) has the
-    same value and gradient when the advantage is per sequence, as it always is here.
+    Defaults ε_low = 3e-4, ε_high = 4e-4 are the paper's experimental setting. GSPO-token
+    (its per-token form) has the same value and gradient when the advantage is per sequence,
+    as it always is here.
     """
     m, rm, adv, ell = _prepare(logp, logmu, mask, rewards, group_ids, advantages, record_mask,
                                std_ddof)
@@ -206,7 +207,7 @@ def icepop_loss(
 
 
 def m2po_keep_mask(log_ratio: Array, valid: Array, tau: Scalar) -> Array:
-    """M2PO's second-moment mask (arXiv:2510.01161 §4, Algorithm 1): drop the tokens with the
+    """M2PO's second-moment mask (arXiv:2510.01161, its masking loop): drop the tokens with the
     largest `(log r)²` until the mean of `(log r)²` over the rest is ≤ τ.
 
     The smallest such number k of dropped tokens is taken; when no k leaves a token (every

@@ -94,7 +94,7 @@ def ref_icepop(lp, lm, m, adv, alpha=0.5, beta=5.0, level="token"):
 
 
 def brute_m2_keep(log_r, valid, tau):
-    """arXiv:2510.01161 Algorithm 1: while the kept tokens' mean (log r)² > τ, drop the largest."""
+    """arXiv:2510.01161's masking loop: while the kept tokens' mean (log r)² > τ, drop the largest."""
     kept = {(i, t) for i, t in zip(*np.nonzero(valid))}
     while kept and np.mean([log_r[p] ** 2 for p in kept]) > tau:
         kept.remove(max(kept, key=lambda p: log_r[p] ** 2))
@@ -377,7 +377,7 @@ def test_config_defaults_reach_the_kernels():
              "m2po": {"tau": lc.m2po_tau},
              "vespo": {"k_pos": lc.vespo_k_pos, "lambda_pos": lc.vespo_lambda_pos,
                        "k_neg": lc.vespo_k_neg, "lambda_neg": lc.vespo_lambda_neg}}
-    assert pairs["gspo"] == {"eps_low": 3e-4, "eps_high": 4e-4}  # arXiv:2507.18071 §5.1
+    assert pairs["gspo"] == {"eps_low": 3e-4, "eps_high": 4e-4}  # arXiv:2507.18071
     assert pairs["icepop"] == {"alpha": 0.5, "beta": 5.0, "level": "token"}  # arXiv:2510.18855
     assert pairs["m2po"] == {"tau": 0.04}  # arXiv:2510.01161
     assert pairs["vespo"] == {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
