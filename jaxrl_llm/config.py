@@ -228,13 +228,16 @@ class LossConfig(Section):
             raise ValueError(
                 f"loss.{bad[0]} has no effect with loss.name={self.name} (ratio_level="
                 f"{self.ratio_level}): geometric ratios are for the TOPR family, clip options "
-                "for ppo/grpo/dr_grpo, std_ddof for grpo, aggregation for the TOPR family, grpo "
+                "for ppo/grpo/dr_grpo, std_ddof for grpo and cispo/gspo/icepop/m2po/vespo, "
+                "aggregation for the TOPR family, grpo "
                 "and ppo with ratio_level=token (dr_grpo fixes seq-mean-token-sum-norm); "
                 "remove the key"
             )
-        for key in self.model_fields_set:  # cispo_*, gspo_*, icepop_*, m2po_*, vespo_*
+        for key, field in type(self).model_fields.items():  # cispo_*, gspo_*, ..., vespo_*
             owner = key.split("_")[0]
-            if owner in _STALE_IS_LOSSES and owner != self.name:
+            # a default value is unset (a run's saved config holds every key)
+            if (owner in _STALE_IS_LOSSES and owner != self.name
+                    and getattr(self, key) != field.default):
                 raise ValueError(f"loss.{key} has no effect with loss.name={self.name}: it is "
                                  f"an option of loss.name={owner}; remove the key")
         if self.icepop_alpha >= self.icepop_beta:

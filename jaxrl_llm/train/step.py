@@ -129,7 +129,8 @@ def num_micro_batches(config: ExperimentConfig, batch_size: int, mesh: Mesh) -> 
     n = batch_size // micro
     if n > 1 and needs_full_batch(config):
         raise ConfigError(
-            f"loss.name={config.loss.name} couples rows across the batch (pairs / batch mean) "
+            f"loss.name={config.loss.name} couples rows across the batch (pairs / batch mean / "
+            "M2PO's token mask) "
             "and cannot be split into micro-batches: unset train.micro_batch_size"
         )
     if n > 1 and micro % batch_shards(mesh):

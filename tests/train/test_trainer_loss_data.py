@@ -98,3 +98,43 @@ def test_grpo_trains_on_whole_groups(tmp_path, generated):
     assert [r["data/whole_groups"] for r in rows] == [2.0] * STEPS  # 8 rows / 4 a group
     assert [r["data/partial_groups"] for r in rows] == [0.0] * STEPS
     assert_moved(before, after)
+
+
+# The records' μ log-probs are random in (−1, 0) while the untrained 64-token model puts
+# log π ≈ −4.2 on every token: ratios in (e^−4.2, e^−3.2), which IcePop's default α = 0.5 and M2PO's
+# default τ = 0.04 would mask entirely (no gradient). Bounds that keep part of the tokens:
+STALE_OPTIONS = {"icepop": {"icepop_alpha": 0.03}, "m2po": {"m2po_tau": 12.0}}
+
+
+def stale(run_dir: Path, records: Path, loss: str, **train: object) -> object:
+    config = tiny(run_dir, records, loss, **train)
+    options = config.loss.model_dump(exclude_unset=True) | STALE_OPTIONS.get(loss, {})
+    return config.model_copy(update={"loss": type(config.loss)(**options)})
+
+
+@pytest.mark.parametrize("loss,metric", [("cispo", "loss/is_weight_mean"),
+                                         ("gspo", "loss/seq_log_ratio_mean"),
+                                         ("icepop", "loss/masked_frac"), ("m2po", "loss/m2"),
+                                         ("vespo", "loss/phi_mean")])
+def test_stale_sample_losses_train_on_whole_groups(tmp_path, generated, loss, metric):
+    """cispo/gspo/icepop/m2po/vespo (losses/stale_is.py): whole groups, μ read, a finite loss,
+    their own metrics logged, parameters moved; a 16-row batch split into two micro-batches
+    gives the step-1 loss of the unsplit batch (advantages from the full batch, kernels
+    returning sums) — except M2PO, whose batch-wide token mask refuses micro-batches."""
+    rows, before, after = train(stale(tmp_path / "run", generated, loss))
+    assert [r["data/whole_groups"] for r in rows] == [2.0] * STEPS
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), rows
+    assert all(metric in r for r in rows), sorted(rows[0])
+    if loss in STALE_OPTIONS:  # the masks act on part of the tokens
+        assert all(0 < r["loss/masked_frac"] < 1 for r in rows), [r["loss/masked_frac"] for r in rows]
+    assert_moved(before, after)
+    if loss == "m2po":
+        from jaxrl_llm.config import ConfigError
+
+        with pytest.raises(ConfigError, match="loss.name=m2po couples rows"):
+            train(stale(tmp_path / "micro", generated, loss, batch_size=16, micro_batch_size=8))
+        return
+    whole, _, _ = train(stale(tmp_path / "whole", generated, loss, steps=1, batch_size=16))
+    micro, _, _ = train(stale(tmp_path / "micro", generated, loss, steps=1, batch_size=16,
+                              micro_batch_size=8))
+    np.testing.assert_allclose(micro[0]["loss"], whole[0]["loss"], rtol=1e-5, atol=1e-7)
