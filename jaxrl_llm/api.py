@@ -27,7 +27,7 @@ from jaxrl_llm.data.records import Record
 from jaxrl_llm.opener import OpenedModel, open_model
 from jaxrl_llm.paths import as_path
 
-__all__ = ["Policy", "Samples", "load_policy", "transform_rewards"]
+__all__ = ["Policy", "Samples", "load_policy", "restore_state", "transform_rewards"]
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,28 @@ def load_policy(source: str | None = None, *,
     cfg = _as_config(config, overrides)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     opened: OpenedModel = open_model(source, cfg, mesh=mesh)
-    if opened.kind == "checkpoint" and config is None:
+    resume = opened.kind == "checkpoint" and config is None
+    if resume:
         cfg = opened.config
     state = create_train_state(cfg, mesh, model=opened.model)
+    if resume:  # the run's own config: its optimizer state, step and RNG come back too
+        state = restore_state(state, str(source), step=opened.info.get("step"))
     return Policy(cfg, state, opened.tokenizer, mesh, info=opened.info)
+
+
+def restore_state(template: Any, path: str, *, step: int | None = None) -> Any:
+    """`template` (a `TrainState`) with the arrays of checkpoint `path` (run, checkpoints or
+    step directory; `step` default: its latest), restored onto the template's shardings."""
+    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, locate
+    from jaxrl_llm.train.state_items import state_items, with_items
+
+    directory, found = locate(path)
+    items = state_items(template)
+    target = abstract_like(items, {k: jax.tree.map(lambda x: x.sharding, v)
+                                   for k, v in items.items()})
+    with Checkpointer(directory, async_save=False) as ckpt:
+        restored = ckpt.restore(target, step=step if step is not None else found)
+    return with_items(template, restored.state)
 
 
 def transform_rewards(records: Sequence[Record], kind: str, *, k: int | None = None

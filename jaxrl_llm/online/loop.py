@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm.api import Policy, load_policy, transform_rewards
+from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.losses.registry import loss_spec
 from jaxrl_llm.online.config import OnlineConfig
@@ -125,15 +125,9 @@ class _Run:
 
 
 def _restore(policy: Policy, checkpointer: Any, run: _Run) -> None:
-    from jaxrl_llm.train.checkpoint import abstract_like
-    from jaxrl_llm.train.state_items import state_items, with_items
-
-    items = state_items(policy.state)
-    target = abstract_like(items, {k: jax.tree.map(lambda x: x.sharding, v)
-                                   for k, v in items.items()})
-    restored = checkpointer.restore(target)
-    policy.state = with_items(policy.state, restored.state)
-    run.load(restored.meta[ONLINE_META])
+    step = checkpointer.latest_step()
+    policy.state = restore_state(policy.state, str(checkpointer.directory), step=step)
+    run.load(checkpointer.read_meta(step)[ONLINE_META])
 
 
 def _mu(policy: Policy, config: OnlineConfig, run: _Run, records: list[Any]
