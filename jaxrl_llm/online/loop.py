@@ -152,8 +152,9 @@ def _mu(policy: Policy, config: OnlineConfig, run: _Run, records: list[Any]
     return [r.replace(mu_logprobs=r.raw_logprobs) for r in records], metrics
 
 
-def run_online(config: OnlineConfig, *, progress: bool = True) -> OnlineResult:
-    """Run (or resume) the online loop of `config` (module docstring)."""
+def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None) -> OnlineResult:
+    """Run (or resume) the online loop of `config` (module docstring) on `mesh` (default:
+    the `mesh:` section over every device)."""
     from jaxrl_llm.progress import progress_bar
     from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
     from jaxrl_llm.train.metrics_log import MetricsLogger
@@ -162,7 +163,7 @@ def run_online(config: OnlineConfig, *, progress: bool = True) -> OnlineResult:
     check_config(config)
     o, g, d = config.online, config.generate, config.data
     experiment = experiment_of(config)
-    policy = load_policy(config=experiment)
+    policy = load_policy(config=experiment, mesh=mesh)
     problems = policy.task.load(split=g.split, num=d.num_prompts, seed=config.seed)
     total_updates = o.rounds * o.updates_per_round
     total_rounds = o.rounds + math.ceil(o.staleness / o.updates_per_round)

@@ -23,7 +23,7 @@ ONLINE_YAML = (
     "model: {vocab_size: 128, hidden_size: 32, intermediate_size: 64, num_layers: 1, "
     "num_heads: 2, num_kv_heads: 1, max_position_embeddings: 256}\n"
     "optim: {name: adamw, learning_rate: 3.0e-2}\nloss: {name: topr}\n"
-    "data: {task: arithmetic, num_prompts: 16, group_transform: rloo}\n"
+    "data: {task: arithmetic, num_prompts: 16}\n"
     "generate: {n: 4, max_new_tokens: 8, batch_size: 2}\n"
     "train: {batch_size: 8, max_seq_len: 128, keep_checkpoints: 100}\n"
     "online: {rounds: 4, prompts_per_round: 2, staleness: 2, checkpoint_every: 1, "

@@ -41,13 +41,13 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def final_arrays(run_dir: Path) -> tuple[int, dict[str, np.ndarray]]:
-    """(step, every array of the latest checkpoint by path) as saved, on the host."""
+def final_arrays(run_dir: Path, step: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+    """(step, every array of checkpoint `step` (default: the latest) by path), on the host."""
     import jax
 
     from jaxrl_llm.train.checkpoint import Checkpointer
 
     with Checkpointer(run_dir / "checkpoints", async_save=False) as ckpt:
-        restored = ckpt.restore(None)
+        restored = ckpt.restore(None, step=step)
     flat = jax.tree_util.tree_leaves_with_path(restored.state)
     return restored.step, {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat}

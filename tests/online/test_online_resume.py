@@ -24,7 +24,7 @@ def _setup(directory: Path) -> list[str]:
     directory.mkdir()
     tree = tiny(Path("run"), online={"rounds": 4, "staleness": 2, "checkpoint_every": 1,
                                      "mu_source": "trainer"},
-                data={"group_transform": "rloo"}, loss={"name": "topr"})
+                loss={"name": "topr"}, train={"keep_checkpoints": 100})
     write_yaml(directory / "online.yaml", tree)
     return ["online", "--config", "online.yaml", "--no-progress"]
 
@@ -61,6 +61,8 @@ def test_sigkill_then_same_command_gives_the_uninterrupted_state(tmp_path: Path,
         assert whole.keys() == resumed.keys()
         differ = [k for k in whole if not np.array_equal(whole[k], resumed[k])]
         assert not differ, differ
+        _, first = final_arrays(tmp_path / "whole" / "run", step=1)  # no update yet
+        assert any(not np.array_equal(first[k], whole[k]) for k in whole if "params" in k)
         assert _comparable(metric_rows(tmp_path / "whole/run")) == \
             _comparable(metric_rows(tmp_path / "killed/run"))
     except AssertionError:
