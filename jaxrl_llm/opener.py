@@ -57,8 +57,9 @@ def classify(source: str | None, *, key: str = "model") -> tuple[Kind, str | Non
     if path.exists():
         return "checkpoint", source
     raise FileNotFoundError(
-        f"{key}={source}: no such file or directory (expected smollm2, a .gguf file, an HF "
-        "directory, a Hub id org/name, or a run / checkpoint directory)")
+        f"{key}={source}: no such file or directory: not a checkpoint, nor a model "
+        "(expected smollm2, a .gguf file, an HF directory, a Hub id org/name, or a run / "
+        "checkpoint directory)")
 
 
 def model_section(config: Any, kind: Kind, path: str | None) -> Any:
