@@ -58,6 +58,9 @@ def check_config(config: OnlineConfig) -> None:
     """Refuse what the loop cannot do, naming the key."""
     o, g, t = config.online, config.generate, config.train
     spec = loss_spec(config.loss.name)
+    if jax.process_count() > 1:
+        raise ConfigError("online runs in one process (on any number of its devices: the "
+                          "mesh: section); a multi-host online run is not implemented")
     records = o.prompts_per_round * g.n
     if records != o.updates_per_round * t.batch_size:
         raise ConfigError(
