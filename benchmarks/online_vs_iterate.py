@@ -8,7 +8,7 @@ runs generate → score → curate → train → export per iteration (evaluatio
 through files; `online` keeps one train state that the sampler reads. Both are the user's
 commands, run as subprocesses on one CPU device; times include start-up and compiles.
 
-    python benchmarks/online_vs_iterate.py [--rounds 8] [--smoke] [--out benchmarks/results/online_vs_iterate.json]
+    python benchmarks/online_vs_iterate.py [--rounds 24] [--smoke] [--out benchmarks/results/online_vs_iterate.json]
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def online_breakdown(run_dir: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)

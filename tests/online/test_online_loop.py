@@ -64,3 +64,13 @@ def test_bad_configs_name_the_key(tmp_path: Path, override: dict, message: str) 
     with pytest.raises(ConfigError, match=message):
         run_online(config, progress=False)
     assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+def test_pkpo_k_follows_the_schedule_and_transforms_each_round(tmp_path: Path) -> None:
+    rows = _run(tmp_path, "pkpo", online={"rounds": 4, "pkpo_k": [4, 2, 1]},
+                data={"group_transform": "pkpo", "reward_scheme": "01"},
+                loss={"name": "reinforce"})
+    assert [r["pkpo_k"] for r in rows] == [4, 2, 1, 1]  # the last value repeats
+    # 0/1 rewards, all wrong on a random model: PKPO's weights are 0, so no gradient at all
+    assert all(r["reward_mean"] == 0.0 for r in rows)
+    assert all(r["grad_norm"] == 0.0 for r in rows)
