@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STAGES = ("generate", "score", "curate", "train", "export", "evaluate", "iterate", "quickstart")
+STAGES = ("generate", "score", "curate", "train", "export", "evaluate", "iterate", "quickstart",
+          "online")
 # Where each stage runs: `generate` with vLLM needs the GPU host, the rest the training mesh.
 GENERATE_HOST_STAGES = frozenset({"generate"})
 _HEADER = re.compile(r"^#\s*Stages\b")
@@ -83,7 +84,8 @@ def _load(path: Path, stage: str) -> Any:
     from jaxrl_llm.commands.config import schema_class
     from jaxrl_llm.config import load_config
 
-    schema = {"iterate": "iterate", "quickstart": "quickstart"}.get(stage, "experiment")
+    schema = {"iterate": "iterate", "quickstart": "quickstart", "online": "online"}.get(
+        stage, "experiment")
     return load_config(path, schema=schema_class(schema))
 
 

@@ -22,7 +22,7 @@ _CONSTRAINTS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "l
 HEADER = """# Configuration reference
 
 Generated from the configuration schema (`jaxrl_llm/config.py`, and `iterate.py` /
-`quickstart.py` for their sections) by `jaxrl-llm config --reference > docs/configuration.md`;
+`quickstart.py` / `online/config.py` for their sections) by `jaxrl-llm config --reference > docs/configuration.md`;
 a test keeps this file current. Set keys in a YAML file (`--config C`) or as `section.key=value`
 overrides after any command; an unknown key or a wrong type stops the command naming the key
 and where it came from (with the nearest known keys). `jaxrl-llm config --config C` prints the
@@ -144,9 +144,11 @@ def _table(model: type[BaseModel], prefix: str, title: str, skip: set[str]) -> l
 
 
 def render() -> str:
-    """The whole reference: the experiment schema, then what `iterate` and `quickstart` add."""
+    """The whole reference: the experiment schema, then what `iterate`, `quickstart` and
+    `online` add."""
     from jaxrl_llm.config import ExperimentConfig
     from jaxrl_llm.iterate import IterateConfig
+    from jaxrl_llm.online.config import OnlineConfig
     from jaxrl_llm.quickstart import QuickstartConfig
 
     lines = [HEADER]
@@ -155,6 +157,7 @@ def render() -> str:
     lines += _table(IterateConfig, "", "`jaxrl-llm iterate` adds", base)
     lines += _table(QuickstartConfig, "", "`jaxrl-llm quickstart` adds",
                     base | set(IterateConfig.model_fields))
+    lines += _table(OnlineConfig, "", "`jaxrl-llm online` adds", base)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -154,47 +154,26 @@ def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | No
     return atomic_save(restored.model, out_dir, tokenizer=tok, dtype=dtype, overwrite=overwrite)
 
 
-def model_source(source: str) -> Any:
-    """The `model:` section that loads `source` (what `--from` accepts): "smollm2", a
-    `.gguf` file, an HF directory (config.json) or a Hub id (org/name); None for a checkpoint."""
-    from jaxrl_llm.config import ModelConfig
-    from jaxrl_llm.models.hub import is_hub_id
-
-    path = Path(source)
-    if source == "smollm2":
-        return ModelConfig(source="smollm2")
-    if source.endswith(".gguf"):
-        if not path.is_file():
-            raise FileNotFoundError(f"--from {source}: GGUF file not found")
-        return ModelConfig(source="gguf", path=source)
-    if (path / "config.json").is_file() or is_hub_id(source):
-        return ModelConfig(source="hf", path=source)
-    if path.exists():
-        return None  # a run / checkpoint directory: restored by `export_checkpoint`
-    raise FileNotFoundError(f"--from {source}: no such file or directory (expected smollm2, a "
-                            ".gguf file, an HF directory, a Hub id org/name or a checkpoint)")
-
-
 def export_model(source: str, out_dir: PathLike, *, dtype: str | None = None,
                  overwrite: bool = False, format: str = "hf", gguf_type: str = "f16",
                  tokenizer: str | None = None) -> epath.Path:
-    """`source` (`model_source`) written to `out_dir` like a trained checkpoint's export."""
-    model_config = model_source(source)
-    if model_config is None:
+    """`source` (what `--from` accepts, decided by `opener.open_model`: smollm2, a `.gguf`, an
+    HF directory, a Hub id, or a checkpoint) written to `out_dir` like a trained checkpoint's
+    export."""
+    from jaxrl_llm.config import ExperimentConfig
+    from jaxrl_llm.opener import classify, open_model
+
+    if classify(source, key="--from")[0] == "checkpoint":
         return export_checkpoint(source, out_dir, tokenizer=tokenizer, dtype=dtype,
                                  overwrite=overwrite, format=format, gguf_type=gguf_type)
-    from jaxrl_llm.models.loading import load_model, weights_path
-
-    loaded = load_model(model_config.model_copy(update={"param_dtype": "float32"}))
-    tok = loaded.tokenizer
-    if tokenizer is not None or tok is None:  # an HF directory: its own tokenizer files
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer or weights_path(model_config))
+    # float32 weights in memory: the export itself writes `dtype`
+    opened = open_model(source, ExperimentConfig(model={"param_dtype": "float32"}),
+                        tokenizer=tokenizer, key="--from")
     if format == "gguf":
         from jaxrl_llm.models.gguf_export import check_exportable
 
-        check_exportable(loaded.model.config, gguf_type)
-        return atomic_save_gguf(loaded.model, out_dir, tokenizer=tok, gguf_type=gguf_type,
-                                overwrite=overwrite)
-    return atomic_save(loaded.model, out_dir, tokenizer=tok, dtype=dtype, overwrite=overwrite)
+        check_exportable(opened.model.config, gguf_type)
+        return atomic_save_gguf(opened.model, out_dir, tokenizer=opened.tokenizer,
+                                gguf_type=gguf_type, overwrite=overwrite)
+    return atomic_save(opened.model, out_dir, tokenizer=opened.tokenizer, dtype=dtype,
+                       overwrite=overwrite)

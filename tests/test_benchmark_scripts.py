@@ -58,3 +58,16 @@ def test_generate_refuses_eos_with_random_weights(tmp_path: Path) -> None:
                          text=True, timeout=600,
                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and "--eos" in out.stderr and "random" in out.stderr
+
+
+def test_online_vs_iterate_smoke_times_both_commands(tmp_path: Path) -> None:
+    out = _run(tmp_path, str(ROOT / "benchmarks" / "online_vs_iterate.py"), "--smoke",
+               "--out", "ovi.json")
+    result = json.loads((tmp_path / "ovi.json").read_text())
+    assert result == json.loads(out.stdout.strip().splitlines()[-1])
+    wall = result["wall_seconds"]
+    assert wall["iterate"] > 0 and wall["online"] > 0
+    assert result["online_speedup"] == pytest.approx(wall["iterate"] / wall["online"], abs=0.01)
+    # both did the work: 2 updates online; iterate ran every stage of both iterations
+    assert result["online_phase_seconds"]["updates"] == 2
+    assert {"generate", "score", "train"} <= set(result["iterate_stage_seconds"])

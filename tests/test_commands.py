@@ -13,7 +13,7 @@ from jaxrl_llm.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = {"config", "plan", "data", "generate", "score", "curate", "train", "export", "evaluate",
-          "report", "iterate", "quickstart", "vllm"}
+          "report", "iterate", "online", "quickstart", "vllm"}
 
 
 def test_every_stage_is_a_module_of_commands_with_the_cli_protocol() -> None:

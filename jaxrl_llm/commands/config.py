@@ -21,6 +21,7 @@ from jaxrl_llm.config import ConfigError, load_config
 SCHEMAS: dict[str, str] = {
     "experiment": "jaxrl_llm.config:ExperimentConfig",
     "iterate": "jaxrl_llm.iterate:IterateConfig",
+    "online": "jaxrl_llm.online.config:OnlineConfig",
     "quickstart": "jaxrl_llm.quickstart:QuickstartConfig",
 }
 

@@ -8,7 +8,6 @@ sampler's compiled program across evaluations of models of the same shape.
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,7 @@ from etils import epath
 
 from jaxrl_llm.atomic import atomic_open, atomic_write_text
 from jaxrl_llm.eval.metrics import EvalSamples, evaluation_summary
-from jaxrl_llm.paths import PathLike, as_path, copy_tree, is_remote
+from jaxrl_llm.paths import PathLike, as_path
 from jaxrl_llm.tasks.base import reward_error_metrics
 
 EVAL_FILE = "eval.json"
@@ -183,41 +182,13 @@ def write_eval(out_dir: PathLike, summary: dict[str, Any], graded: Graded | None
 
 def load_model_and_tokenizer(model_path: str | None, config: Any,
                              tokenizer: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, tokenizer, info) from an HF directory, a training checkpoint, or the config."""
-    if model_path is None:
-        from jaxrl_llm.generate.loading import model_and_tokenizer
+    """(model, tokenizer, info) of `model_path` as `opener.open_model` decides (None: the
+    config's model; an HF directory or Hub id, a GGUF, a run / checkpoint directory), the
+    config's numerics applied to pretrained sources."""
+    from jaxrl_llm.opener import open_model
 
-        model, tok = model_and_tokenizer(config)
-        return model, tok, {"model": config.model.path or config.model.source}
-    from jaxrl_llm.models.hub import resolve_model_dir  # a hub id -> its cached snapshot
-
-    model_path = resolve_model_dir(str(model_path), key="--model")
-    path = as_path(model_path)  # a checkpoint may be remote (Orbax reads gs://)
-    if (path / "config.json").is_file():
-        name = str(path)
-        if is_remote(path):  # an HF directory on gs://: the loaders read local files
-            path = copy_tree(path, tempfile.mkdtemp(prefix="jaxrl-model-"))
-        from transformers import AutoTokenizer
-
-        from jaxrl_llm.models.loading import check_tokenizer_fits, load_model
-
-        tok = AutoTokenizer.from_pretrained(str(tokenizer or path))
-        # The config's numerics (dtypes, remat, scan) apply to an exported directory too.
-        source = config.model.model_copy(update={"source": "hf", "path": str(path)})
-        model = load_model(source, seed=config.seed).model
-        check_tokenizer_fits(tok, model.config.vocab_size, tokenizer_from=str(tokenizer or path),
-                             model_from=str(path))
-        return model, tok, {"model": name}
-    from jaxrl_llm.export import tokenizer_for
-    from jaxrl_llm.models.loading import check_tokenizer_fits
-    from jaxrl_llm.train.checkpoint import restore_model
-
-    restored = restore_model(path)
-    tok = tokenizer_for(restored.config, tokenizer)
-    check_tokenizer_fits(tok, restored.model.config.vocab_size,
-                         tokenizer_from=str(tokenizer or restored.config.data.tokenizer or "char"),
-                         model_from=str(path))
-    return restored.model, tok, {"model": str(path), "step": restored.step}
+    opened = open_model(model_path, config, tokenizer=tokenizer, key="--model")
+    return opened.model, opened.tokenizer, opened.info
 
 
 def format_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:

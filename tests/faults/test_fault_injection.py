@@ -22,6 +22,7 @@ import pytest
 
 from tests.faults.flow_stages import flow_stages
 from tests.faults.harness import base_env, cli
+from tests.faults.online_stage import online_stage
 from tests.faults.stages import (
     GEN_CONFIG,
     GEN_OVERRIDES,
@@ -41,7 +42,7 @@ SEEDS = {"SIGKILL": int(os.environ.get("JAXRL_FAULT_SEEDS", "10")),
          "SIGTERM": int(os.environ.get("JAXRL_FAULT_SIGTERM_SEEDS", "3")),
          "SIGINT": int(os.environ.get("JAXRL_FAULT_SIGINT_SEEDS", "2"))}
 WORKERS = int(os.environ.get("JAXRL_FAULT_WORKERS", "2"))
-STAGES = {s.name: s for s in train_stages() + flow_stages()}
+STAGES = {s.name: s for s in train_stages() + flow_stages() + [online_stage()]}
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 _LOCK = threading.Lock()
 _REFERENCES: dict[str, Reference] = {}

@@ -1,0 +1,296 @@
+"""The public Python API: a policy you can load, sample from, score, train, evaluate, save
+and export from a script (docs/api.md).
+
+    policy = load_policy(config="my.yaml")          # or load_policy("org/name", config=...)
+    records = policy.rollout(problems, n=8, seed=0)  # sample + the task's reward
+    policy.step(records)                            # one optimizer update (the train step)
+
+One `Policy` holds one `TrainState` on the configured mesh. The sampler reads the state's
+current weights at every call (no export, reload or re-jit between updates); `step` runs the
+same jitted, sharded `train_step` as `jaxrl-llm train` (`train.trainer.cached_train_step`);
+`score` computes μ with the train step's own `forward` and log-prob kernel. Batches have one
+fixed shape (`train.batch_size` rows of `train.max_seq_len` tokens), so each program compiles
+once. `jaxrl-llm online` (jaxrl_llm/online/) is built on this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from jaxrl_llm.data.records import Record
+from jaxrl_llm.opener import OpenedModel, open_model
+from jaxrl_llm.paths import as_path
+
+__all__ = ["Policy", "Samples", "load_policy", "restore_state", "transform_rewards"]
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What `Policy.sample` returns: one entry per (prompt, sample), prompt-major."""
+
+    prompt_index: np.ndarray  # [N] which prompt each completion continues
+    prompt_ids: list[np.ndarray]  # per prompt: its token ids
+    token_ids: list[np.ndarray]  # per completion: its token ids (stop token included)
+    logprobs: list[np.ndarray]  # per completion: the sampler's log-probs (after top-k/top-p)
+    raw_logprobs: list[np.ndarray]  # per completion: untruncated, at the sampling temperature
+    finish_reason: list[str]
+
+
+def _as_config(config: ExperimentConfig | Mapping[str, Any] | str | None,
+               overrides: Sequence[str]) -> ExperimentConfig:
+    if isinstance(config, ExperimentConfig):
+        return config if not overrides else config_from_dict(
+            config.model_dump(mode="json"), overrides, schema=type(config))
+    if isinstance(config, Mapping):
+        return config_from_dict(config, overrides, source="load_policy(config=...)")
+    return load_config(config, overrides)
+
+
+def load_policy(source: str | None = None, *,
+                config: ExperimentConfig | Mapping[str, Any] | str | None = None,
+                overrides: Sequence[str] = (), mesh: Any = None) -> Policy:
+    """A `Policy` from `source` (`opener.open_model`: None = the config's `model:`, an HF
+    directory, a Hub id, a `.gguf`, `smollm2`, a run / checkpoint directory) with the
+    experiment `config` (a YAML path, a dict, an `ExperimentConfig`, or None for the
+    defaults) and `overrides` (`a.b=c`). `mesh` defaults to the config's `mesh:` section."""
+    from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.train.state import create_train_state
+
+    cfg = _as_config(config, overrides)
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    opened: OpenedModel = open_model(source, cfg, mesh=mesh)
+    resume = opened.kind == "checkpoint" and config is None
+    if resume:
+        cfg = opened.config
+    state = create_train_state(cfg, mesh, model=opened.model)
+    if resume:  # the run's own config: its optimizer state, step and RNG come back too
+        state = restore_state(state, str(source), step=opened.info.get("step"))
+    return Policy(cfg, state, opened.tokenizer, mesh, info=opened.info)
+
+
+def restore_state(template: Any, path: str, *, step: int | None = None) -> Any:
+    """`template` (a `TrainState`) with the arrays of checkpoint `path` (run, checkpoints or
+    step directory; `step` default: its latest), restored onto the template's shardings."""
+    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, locate
+    from jaxrl_llm.train.state_items import state_items, with_items
+
+    directory, found = locate(path)
+    items = state_items(template)
+    target = abstract_like(items, {k: jax.tree.map(lambda x: x.sharding, v)
+                                   for k, v in items.items()})
+    with Checkpointer(directory, async_save=False) as ckpt:
+        restored = ckpt.restore(target, step=step if step is not None else found)
+    return with_items(template, restored.state)
+
+
+def transform_rewards(records: Sequence[Record], kind: str, *, k: int | None = None
+                      ) -> list[Record]:
+    """Group transforms of the rewards (`rloo`, `grpo`, `dr_grpo`, `pkpo` with `k`; groups
+    are `group_id`s): new records with `reward` transformed and `raw_reward` kept."""
+    from jaxrl_llm.data.curation import apply_transform
+
+    return apply_transform(list(records), kind, k=k)
+
+
+class Policy:
+    """A policy and its optimizer on a mesh (module docstring). Attributes: `config`,
+    `state` (the `TrainState`), `tokenizer`, `mesh`, `task` (the config's `data.task`)."""
+
+    def __init__(self, config: ExperimentConfig, state: Any, tokenizer: Any, mesh: Any,
+                 *, info: Mapping[str, Any] | None = None) -> None:
+        from jaxrl_llm.generate.loading import task_from_config
+
+        self.config = config
+        self.state = state
+        self.tokenizer = tokenizer
+        self.mesh = mesh
+        self.info = dict(info or {})
+        self.task = task_from_config(config)
+        self._sampler: Any = None
+        self._score_fns: dict[float, Any] = {}
+
+    # -- the model ------------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The policy as an NNX module over the state's current weights (shared, not copied)."""
+        return self.state.model()
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates applied so far."""
+        return int(np.asarray(self.state.step))
+
+    # -- sampling -------------------------------------------------------------------------
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Prompt texts → token ids (chat template as `data.chat_template` says)."""
+        from jaxrl_llm.generate.completions import encode_prompts, format_prompts
+
+        chat = self.config.data.chat_template
+        return encode_prompts(self.tokenizer, format_prompts(self.tokenizer, list(prompts),
+                                                             chat_template=chat),
+                              chat_template=chat)
+
+    def sample(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, n: int | None = None,
+               temperature: float | None = None, max_new_tokens: int | None = None,
+               seed: int = 0) -> Samples:
+        """`n` completions per prompt (texts or token ids) with the KV-cache sampler
+        (`models/sampler.py`) on the current weights; defaults from `generate:`."""
+        from jaxrl_llm.models.sampler import Sampler, SamplingParams
+
+        g = self.config.generate
+        ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
+            prompts[0], str) else self.encode(prompts)  # type: ignore[arg-type]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens or g.max_new_tokens,
+            temperature=g.temperature if temperature is None else temperature,
+            top_k=g.top_k, top_p=g.top_p, n=n or g.n,
+            stop_token_ids=(eos,) if g.stop_at_eos and eos is not None else ())
+        if self._sampler is None:
+            pad = getattr(self.tokenizer, "pad_token_id", None)
+            self._sampler = Sampler(self.model, pad_token_id=0 if pad is None else pad,
+                                    batch_size=g.batch_size)
+        self._sampler.model = self.model  # this update's weights; the programs stay compiled
+        out = self._sampler.generate(ids, params, jax.random.key(seed))
+        lengths = [int(x) for x in out.lengths]
+        return Samples(
+            prompt_index=np.asarray(out.prompt_index),
+            prompt_ids=[np.asarray(p, np.int32) for p in ids],
+            token_ids=[np.asarray(out.tokens[i, :m], np.int32) for i, m in enumerate(lengths)],
+            logprobs=[np.asarray(out.logprobs[i, :m], np.float32) for i, m in enumerate(lengths)],
+            raw_logprobs=[np.asarray(out.raw_logprobs[i, :m], np.float32)
+                          for i, m in enumerate(lengths)],
+            finish_reason=[str(x) for x in out.finish_reason])
+
+    def rollout(self, problems: Sequence[Any], *, n: int | None = None, seed: int = 0,
+                group_offset: int = 0) -> list[Record]:
+        """Sample `n` completions per problem of `self.task` and reward them with the task's
+        verifier: one `Record` per completion (`group_id = group_offset + problem index`)."""
+        from jaxrl_llm.generate.completions import Completion, build_records
+
+        texts = [self.task.prompt(p) for p in problems]
+        ids = self.encode(texts)
+        s = self.sample(ids, n=n, seed=seed)
+        completions = [Completion(prompt_index=int(s.prompt_index[i]), token_ids=s.token_ids[i],
+                                  logprobs=s.logprobs[i], raw_logprobs=s.raw_logprobs[i],
+                                  finish_reason=s.finish_reason[i])
+                       for i in range(len(s.token_ids))]
+        return build_records(self.task, list(problems), ids, completions, self.tokenizer,
+                             group_offset=group_offset, prompts=texts)
+
+    # -- batches, scoring, training -------------------------------------------------------
+    def batch(self, records: Sequence[Record], *, require_mu: bool | None = None) -> Any:
+        """Records → one global `Batch` of `train.batch_size` rows × `train.max_seq_len`
+        tokens (padding rows masked), sharded over the mesh's batch axes."""
+        from jaxrl_llm.data.collate import collate, record_row
+        from jaxrl_llm.losses.registry import loss_spec
+        from jaxrl_llm.parallel.distributed import global_batch
+
+        t = self.config.train
+        if len(records) > t.batch_size:
+            raise ConfigError(f"{len(records)} records do not fit one batch of "
+                              f"train.batch_size={t.batch_size}")
+        need_mu = loss_spec(self.config.loss.name).needs_mu if require_mu is None else require_mu
+        rows = [record_row(r, require_mu=need_mu, where=f"records[{i}]")
+                for i, r in enumerate(records)]
+        longest = max((r["inputs"].size for r in rows), default=0)
+        if longest > t.max_seq_len:
+            raise ConfigError(f"a record of {longest + 1} tokens (prompt + completion) needs "
+                              f"train.max_seq_len >= {longest} (it is {t.max_seq_len})")
+        return global_batch(collate(rows, t.batch_size, (t.max_seq_len,)), self.mesh)
+
+    def _score_fn(self, temperature: float) -> Any:
+        if temperature not in self._score_fns:
+            from jaxrl_llm.losses.logprobs import token_logprobs
+            from jaxrl_llm.train.state import cast_to_dtypes
+            from jaxrl_llm.train.step import forward
+
+            st, mesh, chunk = self.state, self.mesh, self.config.loss.logprob_chunk_size
+
+            def score(params: Any, model_state: Any, batch: Any) -> jax.Array:
+                hidden, unembed, softcap = forward(
+                    st.graphdef, cast_to_dtypes(params, st.param_dtypes), model_state,
+                    batch.inputs, batch.positions, batch.segment_ids, mesh)
+                return token_logprobs(hidden, unembed.astype(hidden.dtype), batch.targets,
+                                      chunk_size=chunk, temperature=temperature,
+                                      softcap=softcap)
+
+            self._score_fns[temperature] = jax.jit(score)
+        return self._score_fns[temperature]
+
+    def score(self, records: Sequence[Record], *, temperature: float | None = None
+              ) -> list[np.ndarray]:
+        """Per-completion token log-probs under the current weights with the train step's
+        numerics (its `forward` and chunked log-prob kernel) at `temperature` (default: the
+        loss's, `train.loss_fn.temperature`). At most `train.batch_size` records per call."""
+        from jaxrl_llm.train.loss_fn import temperature as loss_temperature
+
+        t = loss_temperature(self.config) if temperature is None else float(temperature)
+        batch = self.batch(records, require_mu=False)
+        logp = np.asarray(jax.device_get(
+            self._score_fn(t)(self.state.params, self.state.model_state, batch)))
+        out = []
+        for i, r in enumerate(records):
+            start = r.prompt_ids.size - 1
+            out.append(logp[i, start:start + r.completion_ids.size].astype(np.float32))
+        return out
+
+    def step(self, records_or_batch: Sequence[Record] | Any) -> dict[str, float]:
+        """One optimizer update on a batch (records or a `Batch` from `batch`) with the
+        configured loss (`loss.name`, any registered loss): the same jitted, sharded
+        `train_step` as `jaxrl-llm train`. Returns its metrics on the host."""
+        from jaxrl_llm.train.trainer import cached_train_step, fetch_metrics
+
+        batch = records_or_batch
+        if isinstance(records_or_batch, Sequence):
+            batch = self.batch(records_or_batch)
+        step = cached_train_step(self.config, self.mesh, self.state)
+        self.state, metrics = step(self.state, batch)  # the old state is donated
+        return {k: float(np.asarray(v)) for k, v in fetch_metrics(metrics).items()}
+
+    # -- evaluation and output ------------------------------------------------------------
+    def evaluate(self, *, num_questions: int | None = None, n: int | None = None,
+                 seed: int | None = None) -> dict[str, Any]:
+        """pass@k, pass@1 ± SE, maj@K, invalid rate of the current weights on the `eval:`
+        section's questions (`eval.evaluate.evaluate_model`)."""
+        from jaxrl_llm.eval.evaluate import evaluate_model
+
+        e, g = self.config.eval, self.config.generate
+        problems = self.task.load(split=e.split, num=num_questions or e.num_questions,
+                                  seed=self.config.seed)
+        summary, _ = evaluate_model(
+            self.model, self.tokenizer, self.task, problems, n=n or e.n,
+            temperature=g.temperature if e.temperature is None else e.temperature,
+            max_new_tokens=e.max_new_tokens or g.max_new_tokens,
+            batch_size=e.batch_size or g.batch_size, seed=e.seed if seed is None else seed,
+            maj_k=e.maj_k, trials=e.bootstrap_trials,
+            chat_template=self.config.data.chat_template, progress=False)
+        return summary
+
+    def save(self, directory: str | None = None, *, meta: Mapping[str, Any] | None = None) -> str:
+        """An Orbax checkpoint of the whole state (params, optimizer, step, RNG) under
+        `directory` (default `run_dir/checkpoints`), as `step = updates`; `export` and
+        `evaluate --model` read it."""
+        from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
+        from jaxrl_llm.train.state_items import state_items
+
+        out = directory or str(as_path(self.config.run_dir) / CHECKPOINT_DIR)
+        full = {"config": self.config.model_dump(
+            mode="json", include=set(ExperimentConfig.model_fields)), **dict(meta or {})}
+        with Checkpointer(out, async_save=False, keep=self.config.train.keep_checkpoints) as c:
+            c.save(self.updates, state_items(self.state), meta=full, force=True)
+        return out
+
+    def export(self, out_dir: str, *, dtype: str | None = None, overwrite: bool = False) -> str:
+        """The current policy as a Hugging Face directory (atomic, `export.atomic_save`;
+        LoRA adapters merged)."""
+        from jaxrl_llm.export import atomic_save
+
+        return str(atomic_save(self.model, out_dir, tokenizer=self.tokenizer, dtype=dtype,
+                               overwrite=overwrite))

@@ -1,0 +1,69 @@
+"""The staleness queue: update u trains on the batch sampled by the policy of update u − s."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxrl_llm.data.records import Record
+from jaxrl_llm.online.queue import StalenessQueue
+from jaxrl_llm.online.rounds import k_for_round, logprob_mismatch, prompt_slice, reward_metrics
+
+
+def _loop(staleness: int, per_round: int, rounds: int) -> list[tuple[int, int]]:
+    """The online loop's queue discipline; (update index, policy version that sampled)."""
+    queue = StalenessQueue(staleness)
+    total = rounds * per_round
+    trained: list[tuple[int, int]] = []
+    updates = 0
+    while updates < total:
+        version = updates  # the policy sampling this round
+        for _ in range(per_round):
+            queue.push([Record(prompt_ids=[1], completion_ids=[2], reward=float(version))])
+        while queue.ready() and updates < total:
+            trained.append((updates, int(queue.pop()[0].reward)))
+            updates += 1
+    return trained
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3, 8])
+def test_update_trains_on_samples_s_updates_old(staleness: int) -> None:
+    trained = _loop(staleness, per_round=1, rounds=12)
+    assert [u for u, _ in trained] == list(range(12))
+    assert [v for _, v in trained] == [max(0, u - staleness) for u in range(12)]
+
+
+def test_several_updates_per_round_add_their_position() -> None:
+    # batch j of a round of m updates is j updates older than batch 0 (PPO-style epochs)
+    trained = _loop(staleness=2, per_round=2, rounds=5)
+    assert [v for _, v in trained] == [0, 0, 0, 0, 2, 2, 4, 4, 6, 6]
+
+
+def test_queue_json_roundtrip_is_exact() -> None:
+    rng = np.random.default_rng(0)
+    lp = rng.normal(size=5).astype(np.float32)
+    r = Record(prompt_ids=[1, 2], completion_ids=[3, 4, 5, 6, 7], reward=0.1234567,
+               raw_reward=-1.0, correct=True, group_id=7, behavior_logprobs=lp,
+               raw_logprobs=lp * 2, mu_logprobs=lp / 3)
+    q = StalenessQueue(1, [[r]])
+    back = StalenessQueue.from_json(0, q.to_json()).pop()[0]
+    for name in ("behavior_logprobs", "raw_logprobs", "mu_logprobs"):
+        assert np.array_equal(getattr(back, name), getattr(r, name))
+    assert back.completion_ids.tolist() == [3, 4, 5, 6, 7] and back.group_id == 7
+    assert back.reward == r.reward and back.raw_reward == -1.0 and back.correct
+    with pytest.raises(IndexError, match="staleness 1"):
+        StalenessQueue(1, [[r]]).pop()
+
+
+def test_round_helpers() -> None:
+    assert prompt_slice(14, 4, 16) == [14, 15, 0, 1]
+    assert [k_for_round([8, 4, 1], None, i) for i in range(5)] == [8, 4, 1, 1, 1]
+    assert k_for_round(None, 2, 9) == 2
+    recs = [Record(prompt_ids=[1], completion_ids=[2], reward=1.0 if c else -1.0, correct=c,
+                   group_id=g) for g, c in [(0, True), (0, False), (1, False), (1, False)]]
+    m = reward_metrics(recs, 2, [1])
+    # group 0: 1 of 2 correct -> pass@1 0.5, pass@2 1; group 1: 0 -> mean 0.25 / 0.5
+    assert m["pass@1"] == pytest.approx(0.25) and m["pass@2"] == pytest.approx(0.5)
+    assert m["reward_mean"] == pytest.approx(-0.5)
+    mm = logprob_mismatch([np.array([0.0, -1.0]), np.array([])], [np.array([0.5, -1.0]), np.array([])])
+    assert mm == {"mu_mismatch_max": 0.5, "mu_mismatch_mean": 0.25}
