@@ -73,8 +73,8 @@ def isolated_rate(shapes: list[tuple[int, int]], rows: int, copies: int, repeats
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from jaxrl_llm.models.hf import load_pretrained
-    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
+    from jaxrl_llm.weights.hf import load_pretrained
 
     class Args:  # the rows of benchmarks/vllm_generate.py
         batch, new_tokens, eos = 32, 128, True

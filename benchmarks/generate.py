@@ -1,7 +1,7 @@
 """Decode throughput: our JAX KV-cache sampler vs transformers' `generate` (PyTorch CPU).
 
 Same weights for both: the packaged SmolLM2-135M-Instruct GGUF, dequantised to float32 (or
-`--dtype`) by each framework's own loader (ours: `jaxrl_llm.models.gguf.load_gguf`; PyTorch:
+`--dtype`) by each framework's own loader (ours: `jaxrl_llm.weights.gguf.load_gguf`; PyTorch:
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`). Greedy decoding of exactly
 `--new-tokens` tokens (no stop token) from a chat prompt repeated `batch` times, PyTorch on
 `--threads` threads. Each configuration: one warm-up run of each (JAX compiles there), then
@@ -57,9 +57,9 @@ import jax
 import numpy as np
 from machine import cpu_name  # benchmarks/, this script's directory
 
-from jaxrl_llm.models.gguf import load_gguf
-from jaxrl_llm.models.packaged import smollm2_gguf_path
-from jaxrl_llm.models.sampler import Sampler, SamplingParams
+from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
+from jaxrl_llm.weights.gguf import load_gguf
+from jaxrl_llm.weights.packaged import smollm2_gguf_path
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
@@ -149,7 +149,7 @@ def _random_models(dtype: str, device: str):
     import torch
     from gpu_train_step import SHAPES, hf_model  # benchmarks/, this script's directory
 
-    from jaxrl_llm.models.hf import load_pretrained
+    from jaxrl_llm.weights.hf import load_pretrained
 
     shape = SHAPES["smollm2_135m"]
     hf = hf_model(shape, 8192, bos_token_id=1, eos_token_id=RANDOM_PAD, pad_token_id=RANDOM_PAD)

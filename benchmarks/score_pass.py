@@ -64,7 +64,7 @@ def plain_forward(logprobs, records) -> tuple[float, int]:
     import numpy as np
 
     from jaxrl_llm.data.collate import collate, record_row
-    from jaxrl_llm.models.sampler import default_bucket
+    from jaxrl_llm.sampling.sampler import default_bucket
 
     start, tokens = time.perf_counter(), 0
     for i in range(0, len(records), BATCH):
@@ -85,8 +85,8 @@ def main() -> None:
     from benchmarks.machine import cpu_name
     from jaxrl_llm.config import ModelConfig
     from jaxrl_llm.data.shards import SamplingInfo, write_records
-    from jaxrl_llm.models.loading import load_model
     from jaxrl_llm.train.score import score_records
+    from jaxrl_llm.weights.loading import load_model
 
     model = load_model(ModelConfig(source="smollm2", scan_layers=not args.unrolled,
                                    remat="none")).model

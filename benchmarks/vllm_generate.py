@@ -2,7 +2,7 @@
 process, same weights, prompts, sampling and dtype.
 
 Weights: the packaged SmolLM2-135M-Instruct GGUF exported to an HF directory by this project
-(`jaxrl_llm.export.atomic_save`), which both load (ours: `models.hf.load_pretrained`; vLLM:
+(`jaxrl_llm.export.atomic_save`), which both load (ours: `weights.hf.load_pretrained`; vLLM:
 `generate.vllm.VllmEngine`, with the settings `jaxrl-llm generate` uses: every core bound, none
 reserved, engine in-process). Rows:
 
@@ -50,7 +50,7 @@ RESULTS = Path(__file__).parent / "results"
 def export_smollm2(out: Path, dtype: str) -> Path:
     from jaxrl_llm.config import config_from_dict
     from jaxrl_llm.export import atomic_save
-    from jaxrl_llm.models.loading import load_model
+    from jaxrl_llm.weights.loading import load_model
 
     loaded = load_model(config_from_dict({"model": {"source": "smollm2", "param_dtype": dtype,
                                                     "compute_dtype": dtype}}).model)
@@ -101,8 +101,8 @@ def child(framework: str, model_dir: str, args) -> dict:
                 temperature=r["temperature"], max_new_tokens=r["max_new_tokens"],
                 stop_at_eos=r["stop_at_eos"]))
     else:
-        from jaxrl_llm.models.hf import load_pretrained
-        from jaxrl_llm.models.sampler import Sampler, SamplingParams
+        from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
+        from jaxrl_llm.weights.hf import load_pretrained
 
         model = load_pretrained(model_dir, dtype=args.dtype, compute_dtype=args.dtype)
 

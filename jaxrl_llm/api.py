@@ -140,8 +140,8 @@ class Policy:
                temperature: float | None = None, max_new_tokens: int | None = None,
                seed: int = 0) -> Samples:
         """`n` completions per prompt (texts or token ids) with the KV-cache sampler
-        (`models/sampler.py`) on the current weights; defaults from `generate:`."""
-        from jaxrl_llm.models.sampler import Sampler, SamplingParams
+        (`sampling/sampler.py`) on the current weights; defaults from `generate:`."""
+        from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
 
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(

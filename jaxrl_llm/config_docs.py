@@ -170,7 +170,7 @@ def with_architecture(config: Any) -> str:
     if model is None or model.source == "random":
         return dump_config(config)
     from jaxrl_llm.errors import ConfigError, ModelFileError
-    from jaxrl_llm.models.loading import architecture_of
+    from jaxrl_llm.weights.loading import architecture_of
 
     try:
         found = architecture_of(model)

@@ -1,12 +1,12 @@
 """`jaxrl-llm export --checkpoint DIR --out HF_DIR`: a training checkpoint as an HF directory
 (or, with `--format gguf --gguf-type f16|q8_0 --out FILE.gguf`, one llama.cpp GGUF file,
-written by `models.gguf_export.write_gguf` to a temporary sibling and renamed the same way).
+written by `weights.gguf_export.write_gguf` to a temporary sibling and renamed the same way).
 `--from SOURCE` converts a model that was never trained here instead (`export_model`): a
 GGUF file, the packaged `smollm2`, a Hub id or an HF directory, through the same loaders
 training uses (a GGUF's weights dequantised, llama.cpp's Q/K row order undone).
 
 The parameters are restored from the Orbax checkpoint (gathered from every host in a
-multi-host job), written by the models package's exporter (`models.hf.save_pretrained`:
+multi-host job), written by the models package's exporter (`weights.hf.save_pretrained`:
 safetensors + config.json + generation_config.json + tokenizer files) into a temporary
 sibling directory, which is then renamed onto `HF_DIR`: a reader never sees a half-written
 export, and a crash leaves the previous export (if any) in place. A remote `HF_DIR`
@@ -42,8 +42,8 @@ def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
 
 
 def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None) -> None:
-    from jaxrl_llm.models import hf
     from jaxrl_llm.progress import progress_bar
+    from jaxrl_llm.weights import hf
 
     bar = progress_bar(None, desc=f"export {out.name}", unit="tensor")
 
@@ -74,7 +74,7 @@ def _save_lora_adapter(model: Any, out: Path, *, dtype: str | None) -> None:
     from jaxrl_llm.models.lora import has_adapters
 
     if has_adapters(model):
-        from jaxrl_llm.models.lora_export import save_peft_adapter
+        from jaxrl_llm.weights.lora_export import save_peft_adapter
 
         save_peft_adapter(model, out / ADAPTER_SUBDIR, dtype=dtype)
 
@@ -94,7 +94,7 @@ def atomic_save_gguf(model: Any, out_file: PathLike, *, tokenizer: Any, gguf_typ
                      overwrite: bool = False) -> epath.Path:
     """`gguf_export.write_gguf` into a temporary file next to `out_file`, then rename (a
     remote `out_file` is written locally, then copied)."""
-    from jaxrl_llm.models.gguf_export import write_gguf
+    from jaxrl_llm.weights.gguf_export import write_gguf
 
     target = as_path(out_file)
     if target.suffix != ".gguf":
@@ -143,7 +143,7 @@ def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | No
     restored = restore_model(checkpoint, step=step)
     tok = tokenizer_for(restored.config, tokenizer)
     if format == "gguf":  # refuse an unsupported architecture/type before any file is made
-        from jaxrl_llm.models.gguf_export import check_exportable
+        from jaxrl_llm.weights.gguf_export import check_exportable
 
         check_exportable(restored.model.config, gguf_type)
     if jax.process_index() != 0:  # every host restored and gathered; one writes
@@ -170,7 +170,7 @@ def export_model(source: str, out_dir: PathLike, *, dtype: str | None = None,
     opened = open_model(source, ExperimentConfig(model={"param_dtype": "float32"}),
                         tokenizer=tokenizer, key="--from")
     if format == "gguf":
-        from jaxrl_llm.models.gguf_export import check_exportable
+        from jaxrl_llm.weights.gguf_export import check_exportable
 
         check_exportable(opened.model.config, gguf_type)
         return atomic_save_gguf(opened.model, out_dir, tokenizer=opened.tokenizer,

@@ -4,11 +4,11 @@
 
 | `source` | what it is | loaded by |
 | --- | --- | --- |
-| None | the config's own `model:` section (random, hf, gguf, smollm2) | `models.loading.load_model` |
-| `"smollm2"` | the packaged SmolLM2-135M-Instruct GGUF | `models.loading.load_model` |
-| `*.gguf` | one GGUF file | `models.loading.load_model` (source gguf) |
-| a directory with `config.json` (local or `gs://`) | a Hugging Face directory (an export) | `models.loading.load_model` (source hf) |
-| `org/name` | a Hugging Face Hub id (resolved from the HF cache) | `models.hub` + source hf |
+| None | the config's own `model:` section (random, hf, gguf, smollm2) | `weights.loading.load_model` |
+| `"smollm2"` | the packaged SmolLM2-135M-Instruct GGUF | `weights.loading.load_model` |
+| `*.gguf` | one GGUF file | `weights.loading.load_model` (source gguf) |
+| a directory with `config.json` (local or `gs://`) | a Hugging Face directory (an export) | `weights.loading.load_model` (source hf) |
+| `org/name` | a Hugging Face Hub id (resolved from the HF cache) | `weights.hub` + source hf |
 | a run directory, its `checkpoints/`, or one step directory | an Orbax training checkpoint | `train.checkpoint.restore_model` |
 
 The config's numerics (dtypes, remat, layer scan, LoRA) apply to every pretrained source; a
@@ -39,7 +39,7 @@ class OpenedModel:
 def classify(source: str | None, *, key: str = "model") -> tuple[Kind, str | None]:
     """(kind, path) of `source` (module docstring's table); a clear error naming `key` when
     it is none of them."""
-    from jaxrl_llm.models.hub import is_hub_id
+    from jaxrl_llm.weights.hub import is_hub_id
 
     if source is None:
         return "config", None
@@ -78,7 +78,7 @@ def open_model(source: str | None, config: Any, *, mesh: Any = None, tokenizer: 
     checkpoint is restored onto it, or onto every local device's "fsdp" axis).
     `tokenizer`: a tokenizer directory overriding the source's own."""
     from jaxrl_llm.generate.loading import model_and_tokenizer, tokenizer_from_config
-    from jaxrl_llm.models.loading import check_tokenizer_fits
+    from jaxrl_llm.weights.loading import check_tokenizer_fits
 
     kind, path = classify(source, key=key)
     if kind == "checkpoint":

@@ -195,10 +195,10 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     """Lower and compile the config's train step on abstract inputs; see the module doc."""
     from jaxrl_llm.models.attention import attention_mesh
     from jaxrl_llm.models.attention import resolve as resolve_attention
-    from jaxrl_llm.models.loading import decoder_config
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.state import abstract_train_state, count_params
     from jaxrl_llm.train.step import make_train_step
+    from jaxrl_llm.weights.loading import decoder_config
 
     devices, topology, note = select_devices(config)
     # "auto" dtypes resolve for the target's platform, not this CPU's.

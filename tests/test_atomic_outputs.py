@@ -124,7 +124,7 @@ def test_atomic_open_failing_block_leaves_old_file(tmp_path):
 
 def test_export_directory_killed_mid_save_keeps_the_old_export(tmp_path, monkeypatch):
     from jaxrl_llm.export import atomic_save
-    from jaxrl_llm.models import hf
+    from jaxrl_llm.weights import hf
 
     out = tmp_path / "export"
     out.mkdir()
@@ -221,14 +221,14 @@ ALLOWED = {
     "directory",
     ("export.py", "write_bytes"): "a staged GGUF copied to a remote object (objects appear "
     "whole)",
-    ("models/lora_export.py", "save_file"): "PEFT adapter files, written inside the export's "
+    ("weights/lora_export.py", "save_file"): "PEFT adapter files, written inside the export's "
     "temporary directory (export._save_local)",
-    ("models/lora_export.py", "write_text"): "as above",
-    ("models/hf_export.py", "save_file"): "writes into the temporary directory of "
+    ("weights/lora_export.py", "write_text"): "as above",
+    ("weights/hf_export.py", "save_file"): "writes into the temporary directory of "
     "atomic_directory (export.atomic_save; models may not import the helper)",
-    ("models/hf_export.py", "write_text"): "as above",
-    ("models/hf_export.py", "copyfile"): "as above",
-    ("models/hf_export.py", "save_pretrained"): "as above (the tokenizer's files)",
+    ("weights/hf_export.py", "write_text"): "as above",
+    ("weights/hf_export.py", "copyfile"): "as above",
+    ("weights/hf_export.py", "save_pretrained"): "as above (the tokenizer's files)",
     ("quickstart.py", "save_pretrained"): "into atomic_directory's temporary directory",
     ("eval/plots.py", "savefig"): "into an in-memory buffer, then atomic_write_bytes",
     ("data/shards.py", "save"): "np.save into an in-memory buffer, then atomic_write_bytes",

@@ -137,12 +137,12 @@ def test_function_level_and_relative_imports_count(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("import os\nfrom jaxrl_llm.losses import registry\n"
                      "def f():\n    from jaxrl_llm.train.step import forward\n"
-                     "    import jaxrl_llm.models.hf\n"
+                     "    import jaxrl_llm.weights.hf\n"
                      "class C:\n    def g(self):\n        from ..tasks import base\n")
     found = _imported_modules(probe, "jaxrl_llm.data.probe")
-    assert {"jaxrl_llm.losses.registry", "jaxrl_llm.train.step", "jaxrl_llm.models.hf",
+    assert {"jaxrl_llm.losses.registry", "jaxrl_llm.train.step", "jaxrl_llm.weights.hf",
             "jaxrl_llm.tasks.base"} <= found
-    assert {_node(n) for n in found} == {"losses", "train", "models", "tasks"}
+    assert {_node(n) for n in found} == {"losses", "train", "weights", "tasks"}
 
 
 def test_cycle_finder_finds_a_cycle_through_a_third_node_and_none_in_a_chain() -> None:
@@ -172,8 +172,8 @@ def test_losses_is_a_leaf_and_models_imports_only_parallel_and_errors() -> None:
         _describe(graph, "parallel", {"config"}))
 
 
-@pytest.mark.parametrize("package", ["losses", "models", "parallel", "data", "tasks", "generate",
-                                     "train", "eval", "commands"])
+@pytest.mark.parametrize("package", ["losses", "models", "weights", "sampling", "parallel", "data",
+                                     "tasks", "generate", "online", "train", "eval", "commands"])
 def test_docs_module_map_lists_exactly_the_imports(package: str) -> None:
     documented = documented_dependencies()
     assert package in documented, f"docs/architecture.md module map has no row for `{package}/`"

@@ -123,9 +123,8 @@ def test_package_has_no_unsafe_loading():
 def test_weights_are_read_only_from_safetensors_and_gguf():
     """The model loaders open weights with safetensors' `safe_open` or the gguf reader, never a
     framework loader that unpickles (`torch.load`, `from_pretrained` of a .bin)."""
-    models = PACKAGE / "models"
     readers = set()
-    for f in models.rglob("*.py"):
+    for f in sorted((PACKAGE / "models").rglob("*.py")) + sorted((PACKAGE / "weights").rglob("*.py")):
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call):
                 name = _dotted(node.func)
@@ -134,5 +133,5 @@ def test_weights_are_read_only_from_safetensors_and_gguf():
                 assert not name.endswith(".from_pretrained") or "Tokenizer" in name or \
                     "Config" in name, f"{f}: {name}() may load pickled weights"
     assert "safe_open" in readers and "GGUFReader" in readers, readers
-    record("safe loading", "weight readers in jaxrl_llm/models", runs=1, failures=0,
+    record("safe loading", "weight readers in jaxrl_llm/models and jaxrl_llm/weights", runs=1, failures=0,
            detail="weights opened only with safetensors safe_open and gguf GGUFReader")

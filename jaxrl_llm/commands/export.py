@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.export import export_checkpoint, export_model
-    from jaxrl_llm.models.gguf_export import GGUFExportError
+    from jaxrl_llm.weights.gguf_export import GGUFExportError
 
     options = dict(tokenizer=args.tokenizer, dtype=args.dtype, overwrite=args.overwrite,
                    format=args.format, gguf_type=args.gguf_type)

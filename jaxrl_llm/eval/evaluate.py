@@ -50,8 +50,8 @@ def sample_and_grade(
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
     from jaxrl_llm.generate.fit import fit_sampler_batch
     from jaxrl_llm.generate.jax_backend import sample_completions
-    from jaxrl_llm.models.sampler import Sampler, SamplingParams, default_bucket
     from jaxrl_llm.progress import progress_bar
+    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
     from jaxrl_llm.signals import StopSignals
 
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -106,7 +106,7 @@ def verify_samples(
 
     from jaxrl_llm.generate.completions import encode_prompts
     from jaxrl_llm.generate.jax_backend import sample_completions
-    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
     from jaxrl_llm.tasks.base import Problem
     from jaxrl_llm.tasks.verify import VerifyTask, parse_verdict
 

@@ -24,7 +24,7 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
     names the config key of the batch size in the messages."""
     import jax
 
-    from jaxrl_llm.models.sampler import sampling_bytes
+    from jaxrl_llm.sampling.sampler import sampling_bytes
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_kv_heads"):

@@ -1,4 +1,4 @@
-"""Generation with the project's own KV-cache sampler (`models/sampler.py`), on any JAX device.
+"""Generation with the project's own KV-cache sampler (`sampling/sampler.py`), on any JAX device.
 
 Prompts are processed in chunks of `chunk_prompts`; each chunk is sampled (n per prompt),
 scored by the task and appended to the record shards. The progress bar counts prompts and
@@ -69,8 +69,8 @@ def generate_records(
 ) -> Manifest:
     """Sample `n` completions per problem and write scored records to `out_dir`."""
     from jaxrl_llm.generate.fit import fit_sampler_batch
-    from jaxrl_llm.models.sampler import Sampler, SamplingParams, default_bucket
     from jaxrl_llm.progress import progress_bar
+    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
     from jaxrl_llm.signals import StopSignals
 
     eos = getattr(tokenizer, "eos_token_id", None)

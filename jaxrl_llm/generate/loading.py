@@ -63,7 +63,7 @@ def tokenizer_from_config(config: ExperimentConfig) -> Any:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the char tokenizer ({len(tok)})")
         return tok
     if name is None and m.source in ("gguf", "smollm2"):
-        from jaxrl_llm.models.loading import source_tokenizer
+        from jaxrl_llm.weights.loading import source_tokenizer
 
         return source_tokenizer(m)
     from transformers import AutoTokenizer
@@ -71,7 +71,7 @@ def tokenizer_from_config(config: ExperimentConfig) -> Any:
     path = name or m.path
     if path is None:
         raise ConfigError("data.tokenizer (or model.path) must name a tokenizer directory")
-    from jaxrl_llm.models.hub import resolve_model_dir  # a hub id -> its cached snapshot
+    from jaxrl_llm.weights.hub import resolve_model_dir  # a hub id -> its cached snapshot
 
     path = resolve_model_dir(str(path), revision=None if name else m.revision,
                              key="data.tokenizer" if name else "model.path")
@@ -79,9 +79,9 @@ def tokenizer_from_config(config: ExperimentConfig) -> Any:
 
 
 def model_and_tokenizer(config: ExperimentConfig, *, mesh: Any = None) -> tuple[Any, Any]:
-    """(NNX decoder, tokenizer) for `config.model`, loaded by `models.loading.load_model`
+    """(NNX decoder, tokenizer) for `config.model`, loaded by `weights.loading.load_model`
     (with `mesh`: every parameter straight into its sharding)."""
-    from jaxrl_llm.models.loading import check_tokenizer_fits, load_model
+    from jaxrl_llm.weights.loading import check_tokenizer_fits, load_model
 
     model, own = load_model(config.model, seed=config.seed, mesh=mesh)
     if own is not None and config.data.tokenizer is None:

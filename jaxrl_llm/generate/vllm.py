@@ -93,7 +93,7 @@ def model_limits(model_dir: str) -> dict[str, Any]:
     config.json (architecture, context length) and safetensors weights."""
     from pathlib import Path
 
-    from jaxrl_llm.models.hub import is_hub_id
+    from jaxrl_llm.weights.hub import is_hub_id
 
     path = Path(model_dir)
     if not path.is_dir():

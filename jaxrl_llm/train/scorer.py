@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.models.sampler import default_bucket  # the sampler's padded-length buckets
 from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, make_mesh
+from jaxrl_llm.sampling.sampler import default_bucket  # the sampler's padded-length buckets
 
 BATCH_SIZE_KEY = "generate.score_batch_size"
 # π_ref's log-probs are the policy's own distribution: DPO (arXiv:2305.18290), KTO

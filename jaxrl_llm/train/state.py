@@ -118,10 +118,10 @@ def master_dtypes(params: nnx.State, fp32: bool) -> tuple[str, ...]:
 def build_model(config: ExperimentConfig, *, weights: bool = True,
                 mesh: Mesh | None = None) -> nnx.Module:
     """The policy named by `config.model` via the one entry point,
-    `models.loading.load_model` (with `mesh`: every parameter already in its sharding).
+    `weights.loading.load_model` (with `mesh`: every parameter already in its sharding).
     `weights=False` builds a randomly initialised model of the same architecture (for
     `nnx.eval_shape` / `plan`)."""
-    from jaxrl_llm.models.loading import load_model
+    from jaxrl_llm.weights.loading import load_model
 
     model = load_model(config.model, seed=config.seed, mesh=mesh, weights=weights).model
     return with_adapters(config, model)

@@ -103,7 +103,7 @@ class Trainer:
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         check_batch_divides(config, self.mesh)
         if model is None:  # a missing or unreadable model.path, named
-            from jaxrl_llm.models.loading import check_weights_found, decoder_config
+            from jaxrl_llm.weights.loading import check_weights_found, decoder_config
 
             check_weights_found(config.model)
             decoder_config(config.model)
@@ -154,7 +154,7 @@ class Trainer:
         from jaxrl_llm.train.state import abstract_train_state, create_train_state
 
         latest = self.checkpointer.latest_step()
-        # Without a given model, every source loads through `models.loading` (weights straight
+        # Without a given model, every source loads through `weights.loading` (weights straight
         # into their shardings; a resume builds only the abstract template).
         if latest is None and self.init_from is None:
             return create_train_state(self.config, self.mesh, self._model), 0

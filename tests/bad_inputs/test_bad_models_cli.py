@@ -224,8 +224,8 @@ def train(*overrides: str) -> list[str]:
 # -- the good inputs load (so each failure below is its one defect) ---------------------------
 
 def test_the_good_inputs_load(cwd):
-    from jaxrl_llm.models.gguf import load_gguf
-    from jaxrl_llm.models.hf import load_pretrained
+    from jaxrl_llm.weights.gguf import load_gguf
+    from jaxrl_llm.weights.hf import load_pretrained
 
     assert load_pretrained("good").config.vocab_size == V
     loaded = load_gguf("good.gguf")

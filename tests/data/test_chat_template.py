@@ -13,8 +13,8 @@ PROMPT = "Question: What is 4 - 6?\nFinish with 'The answer is N.'\nAnswer:\n"
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from jaxrl_llm.models.gguf import read_gguf
-    from jaxrl_llm.models.packaged import smollm2_gguf_path
+    from jaxrl_llm.weights.gguf import read_gguf
+    from jaxrl_llm.weights.packaged import smollm2_gguf_path
 
     return read_gguf(smollm2_gguf_path())[2]
 

@@ -14,9 +14,9 @@ def test_evaluate_hf_dir_writes_consistent_eval_json(tmp_path, capsys):
     from flax import nnx
 
     from jaxrl_llm.generate.loading import char_tokenizer
-    from jaxrl_llm.models import hf
     from jaxrl_llm.models.config import DecoderConfig
     from jaxrl_llm.models.decoder import Decoder
+    from jaxrl_llm.weights import hf
 
     tok = char_tokenizer()
     config = DecoderConfig(family="llama", vocab_size=len(tok), hidden_size=32,

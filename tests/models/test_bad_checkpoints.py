@@ -14,7 +14,7 @@ import safetensors.numpy
 pytest.importorskip("torch")
 
 from jaxrl_llm.models.config import DecoderConfig, UnsupportedConfigError
-from jaxrl_llm.models.hf import (
+from jaxrl_llm.weights.hf import (
     CheckpointError,
     load_pretrained,
     model_from_state_dict,

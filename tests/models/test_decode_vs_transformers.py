@@ -21,10 +21,10 @@ import dataclasses
 
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.hf import load_pretrained
 from jaxrl_llm.models.layers import fuse_projections
 from jaxrl_llm.models.lora import LoraSpec
-from jaxrl_llm.models.sampler import Sampler, SamplingParams
+from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
+from jaxrl_llm.weights.hf import load_pretrained
 
 from .tiny_hf import hf_configs, hf_logits, make_hf_model, save_hf
 

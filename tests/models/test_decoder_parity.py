@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 
 from jaxrl_llm.models.decoder import Decoder, logical_axes
-from jaxrl_llm.models.hf import load_pretrained
+from jaxrl_llm.weights.hf import load_pretrained
 
 from .tiny_hf import (
     hf_configs,

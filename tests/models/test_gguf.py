@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxrl_llm.models.gguf import (
+from jaxrl_llm.weights.gguf import (
     GGUFError,
     dequantize_tensor,
     hf_config_from_metadata,
@@ -19,7 +19,7 @@ from jaxrl_llm.models.gguf import (
     read_gguf,
     unpermute_qk_rows,
 )
-from jaxrl_llm.models.packaged import PackagedModelNotFound, smollm2_gguf_path
+from jaxrl_llm.weights.packaged import PackagedModelNotFound, smollm2_gguf_path
 
 
 def _gguf_path():
@@ -149,7 +149,7 @@ def test_names_and_unsupported_files_are_clear_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def ours():
-    from jaxrl_llm.models.gguf import load_gguf
+    from jaxrl_llm.weights.gguf import load_gguf
 
     return load_gguf(_gguf_path())
 
@@ -200,7 +200,7 @@ def test_greedy_decode_matches_transformers_generate(ours, reference):
     import jax
     import torch
 
-    from jaxrl_llm.models.sampler import Sampler, SamplingParams
+    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
 
     hf_model, hf_tok = reference
     text = hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)

@@ -1,5 +1,5 @@
 """GGUF export (`jaxrl-llm export --format gguf`): the file loads in transformers' own GGUF
-loader (an independent reader, PyTorch) and in ours (`models/gguf.py`), with the same logits
+loader (an independent reader, PyTorch) and in ours (`weights/gguf.py`), with the same logits
 and greedy tokens as the model that was written.
 
 Tolerances (max |Δlogit| relative to max |logit|): the two readers of one file agree to 1e-5
@@ -21,9 +21,9 @@ from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.shards import write_records
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.gguf import load_gguf, read_gguf
-from jaxrl_llm.models.gguf_export import GGUFExportError, write_gguf
 from jaxrl_llm.models.tokenizer import build_char_tokenizer, train_bpe_tokenizer
+from jaxrl_llm.weights.gguf import load_gguf, read_gguf
+from jaxrl_llm.weights.gguf_export import GGUFExportError, write_gguf
 
 TEXTS = ["What is 12 + 7? The answer is 19.", "hello world, héllo wörld", "3 * (4 - 1) = 9"]
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"

@@ -19,7 +19,7 @@ from flax import nnx  # noqa: E402
 
 from jaxrl_llm.models.config import DecoderConfig  # noqa: E402
 from jaxrl_llm.models.decoder import Decoder  # noqa: E402
-from jaxrl_llm.models.hf import load_pretrained, save_pretrained, state_dict  # noqa: E402
+from jaxrl_llm.weights.hf import load_pretrained, save_pretrained, state_dict  # noqa: E402
 
 from .tiny_hf import hf_configs, hf_logits, make_hf_model, padded_batch, save_hf  # noqa: E402
 

@@ -13,12 +13,12 @@ from flax import nnx
 
 from jaxrl_llm.cli import main as cli_main
 from jaxrl_llm.config import ConfigError, ModelConfig
-from jaxrl_llm.models import hf
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.hub import is_hub_id, resolve_model_dir
-from jaxrl_llm.models.loading import load_model
 from jaxrl_llm.models.tokenizer import train_bpe_tokenizer
+from jaxrl_llm.weights import hf
+from jaxrl_llm.weights.hub import is_hub_id, resolve_model_dir
+from jaxrl_llm.weights.loading import load_model
 
 REPO = "tiny-org/tiny-llama"
 MAIN, PINNED = "a" * 40, "b" * 40  # commit hashes of two snapshots

@@ -15,11 +15,11 @@ from flax import nnx
 
 from jaxrl_llm.config import ConfigError, config_from_dict
 from jaxrl_llm.losses.logprobs import token_logprobs
-from jaxrl_llm.models import hf
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.models.lora import DEFAULT_TARGETS, LORA_TARGETS, LoraSpec, add_lora
-from jaxrl_llm.models.lora_export import ADAPTER_CONFIG, merge_lora, save_peft_adapter
+from jaxrl_llm.weights import hf
+from jaxrl_llm.weights.lora_export import ADAPTER_CONFIG, merge_lora, save_peft_adapter
 from tests.models.tiny_hf import hf_configs, make_hf_model
 
 TOKENS = np.array([[1, 7, 20, 33, 64, 90, 127, 3, 200, 45],

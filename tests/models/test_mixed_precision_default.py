@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.config import load_config
 from jaxrl_llm.models.config import resolve_compute_dtype
-from jaxrl_llm.models.loading import decoder_config
+from jaxrl_llm.weights.loading import decoder_config
 
 
 def test_auto_is_bf16_on_accelerators_fp32_on_cpu() -> None:

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 from jaxrl_llm.models.config import DecoderConfig
-from jaxrl_llm.models.decode_program import first_argmax
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.sampler import (
+from jaxrl_llm.sampling.decode_program import first_argmax
+from jaxrl_llm.sampling.sampler import (
     FINISH_LENGTH,
     FINISH_STOP,
     Sampler,
@@ -261,7 +261,7 @@ def test_bad_arguments_are_clear_errors(sampler):
 
 
 def test_inverse_cdf_token_is_the_float64_inverse_cdf_and_never_an_excluded_token():
-    from jaxrl_llm.models.decode_program import inverse_cdf_token
+    from jaxrl_llm.sampling.decode_program import inverse_cdf_token
 
     rng = np.random.default_rng(2)
     b, v = 64, 700  # not a multiple of the 256-token block
@@ -292,7 +292,7 @@ def test_inverse_cdf_token_is_the_float64_inverse_cdf_and_never_an_excluded_toke
 def test_sampled_token_frequencies_match_softmax():
     # Over many step keys the sampling step draws each token with its softmax probability
     # (6 SE bound per token), and a top-k of 3 never leaves its three tokens.
-    from jaxrl_llm.models.decode_program import sample_step
+    from jaxrl_llm.sampling.decode_program import sample_step
 
     logits = jnp.asarray(np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05] + [1e-9] * 295])),
                          jnp.float32)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.sampler import Sampler, SamplingParams, window_ends
+from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, window_ends
 
 VOCAB = 32
 CONFIG = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,

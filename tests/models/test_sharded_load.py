@@ -1,4 +1,4 @@
-"""Pod-ready loading through the one entry point, `models.loading.load_model`.
+"""Pod-ready loading through the one entry point, `weights.loading.load_model`.
 
 On 8 fake CPU devices (tests/conftest.py): pretrained weights go straight into their
 shardings (each device holds only its shard, the host reads only slices of the sharded
@@ -22,10 +22,10 @@ import safetensors.numpy
 pytest.importorskip("torch")
 
 from jaxrl_llm.config import ConfigError, MeshConfig, config_from_dict
-from jaxrl_llm.models import hf as hf_module
-from jaxrl_llm.models import loading
 from jaxrl_llm.models.config import DecoderConfig, UnsupportedConfigError
 from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.weights import hf as hf_module
+from jaxrl_llm.weights import loading
 
 from .tiny_gguf import tiny_llama_config, write_gguf
 from .tiny_hf import hf_configs, hf_logits, make_hf_model, padded_batch, save_hf

@@ -393,7 +393,7 @@ def test_timeout_is_flagged_on_the_record_and_in_generate_and_eval_metrics(math_
 
     # evaluate: the same completions through evaluate_model's grading, sampler stubbed out.
     import jaxrl_llm.generate.jax_backend as jb
-    import jaxrl_llm.models.sampler as sampler_mod
+    import jaxrl_llm.sampling.sampler as sampler_mod
 
     monkeypatch.setattr(jb, "sample_completions", lambda *a, **k: comps)
     monkeypatch.setattr(sampler_mod, "Sampler", lambda *a, **k: None)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_config_shows_the_architecture_of_the_packaged_model(tmp_path: Path) -> None:
     from gguf import GGUFReader
 
-    from jaxrl_llm.models.packaged import smollm2_gguf_path
+    from jaxrl_llm.weights.packaged import smollm2_gguf_path
 
     (tmp_path / "c.yaml").write_text(SMOLLM2_CONFIG)
     done = jaxrl(tmp_path, "config", "--config", "c.yaml")
@@ -47,7 +47,7 @@ def test_export_from_the_packaged_gguf_loads_in_transformers(tmp_path: Path) -> 
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxrl_llm.models.packaged import smollm2_gguf_path
+    from jaxrl_llm.weights.packaged import smollm2_gguf_path
 
     old = os.umask(0o022)
     try:

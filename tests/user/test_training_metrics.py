@@ -41,7 +41,7 @@ def _reference(records) -> dict[str, float]:
     import jax.numpy as jnp
 
     from jaxrl_llm.config import config_from_dict
-    from jaxrl_llm.models.loading import load_model
+    from jaxrl_llm.weights.loading import load_model
 
     model = load_model(config_from_dict({}).model, seed=0).model
     ent, k3_mu, k3_ref, count = 0.0, 0.0, 0.0, 0

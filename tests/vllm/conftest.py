@@ -17,11 +17,11 @@ import pytest
 def tiny_hf(tmp_path_factory) -> Path:
     from flax import nnx
 
-    from jaxrl_llm.models import hf
     from jaxrl_llm.models.config import DecoderConfig
     from jaxrl_llm.models.decoder import Decoder
     from jaxrl_llm.models.tokenizer import train_bpe_tokenizer
     from jaxrl_llm.tasks.arithmetic import ArithmeticTask
+    from jaxrl_llm.weights import hf
 
     task = ArithmeticTask()
     problems = task.load(split="train", num=200, seed=0)
@@ -39,7 +39,7 @@ def tiny_hf(tmp_path_factory) -> Path:
 def smollm2_hf(tmp_path_factory) -> Path:
     from jaxrl_llm.config import config_from_dict
     from jaxrl_llm.export import atomic_save
-    from jaxrl_llm.models.loading import load_model
+    from jaxrl_llm.weights.loading import load_model
 
     loaded = load_model(config_from_dict({"model": {"source": "smollm2"}}).model)
     out = tmp_path_factory.mktemp("smollm2") / "smollm2_hf"

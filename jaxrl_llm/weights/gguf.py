@@ -10,7 +10,7 @@ Steps (facts measured in the project's STACK notes):
    rotate-half RoPE; we apply the inverse permutation (`unpermute_qk_rows`), otherwise the
    model produces garbage.
 4. The HF `config.json` dict is rebuilt from `llama.*` metadata and handed, with the HF-named
-   tensors, to `jaxrl_llm.models.hf.model_from_state_dict` -- the same path as safetensors.
+   tensors, to `jaxrl_llm.weights.hf.model_from_state_dict` -- the same path as safetensors.
 
 Only the `llama` architecture (Llama 1-3 without rope-frequency tensors, Mistral, SmolLM2) is
 supported; anything else is a clear `GGUFError`.
@@ -141,7 +141,7 @@ def hf_config_from_metadata(
         raise GGUFError(
             f"{path}: general.architecture={arch!r} is not supported; supported: "
             f"{list(SUPPORTED_ARCHITECTURES)} (convert other models to Hugging Face safetensors "
-            "and use jaxrl_llm.models.hf.load_pretrained)"
+            "and use jaxrl_llm.weights.hf.load_pretrained)"
         )
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
@@ -330,7 +330,7 @@ def load_gguf(path: str | Path, *, dtype: Any = None, mesh: Any = None, rules: A
     `GGUFInfo` (HF config, bos/eos ids, per-tensor quantisation types, raw metadata).
     """
     # Imported here so reading metadata/tokenizers does not pull in the model code.
-    from jaxrl_llm.models.hf import model_from_state_dict
+    from jaxrl_llm.weights.hf import model_from_state_dict
 
     reader, info, tokenizer = read_gguf(path)
     tensors = hf_state_dict(reader, info.hf_config, info.path)

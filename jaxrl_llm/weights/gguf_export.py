@@ -1,6 +1,6 @@
 """Write a `Decoder` (and its tokenizer) as a llama.cpp GGUF file: `export --format gguf`.
 
-The inverse of `models/gguf.py`, with the `gguf` package's `GGUFWriter`:
+The inverse of `weights/gguf.py`, with the `gguf` package's `GGUFWriter`:
 1. metadata: `general.*`, the `llama.*` architecture keys (blocks, widths, GQA head counts,
    RoPE base and dimension, RMSNorm epsilon, context length, vocabulary size) and
    `tokenizer.ggml.*` built from our tokenizer (byte-level BPE vocabulary, merges, token
@@ -31,11 +31,11 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.quants import quantize
 
 from jaxrl_llm.models.config import DecoderConfig
-from jaxrl_llm.models.gguf import _BLOCK_NAMES, _GLOBAL_NAMES
-from jaxrl_llm.models.hf_export import _hf_tensors
-from jaxrl_llm.models.hf_layout import expand_rules, tensor_rules
-from jaxrl_llm.models.hf_params import _per_layer_shapes
 from jaxrl_llm.models.tokenizer import _REGEX_PRE_TYPES
+from jaxrl_llm.weights.gguf import _BLOCK_NAMES, _GLOBAL_NAMES
+from jaxrl_llm.weights.hf_export import _hf_tensors
+from jaxrl_llm.weights.hf_layout import expand_rules, tensor_rules
+from jaxrl_llm.weights.hf_params import _per_layer_shapes
 
 # --gguf-type -> (storage of matrices, general.file_type)
 GGUF_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {

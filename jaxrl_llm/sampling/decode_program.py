@@ -1,4 +1,4 @@
-"""The compiled programs behind `models.sampler.Sampler`: prefill, a decode segment, and the
+"""The compiled programs behind `sampling.sampler.Sampler`: prefill, a decode segment, and the
 row selection that drops finished rows between segments, and the cache growth between windows.
 
 A prompt batch is prefilled once (`prefill`); its n samples per prompt then share that prefill

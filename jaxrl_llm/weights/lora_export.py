@@ -23,9 +23,9 @@ import safetensors.numpy
 from flax import nnx
 
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.hf_layout import tensor_rules
-from jaxrl_llm.models.hf_params import _NP_DTYPES, _to_host
 from jaxrl_llm.models.lora import ADAPTER_SUFFIX, LORA_TARGETS, delta_weight, has_adapters
+from jaxrl_llm.weights.hf_layout import tensor_rules
+from jaxrl_llm.weights.hf_params import _NP_DTYPES, _to_host
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

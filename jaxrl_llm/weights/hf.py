@@ -27,8 +27,8 @@ from flax import nnx
 
 from jaxrl_llm.models.config import PARAM_DTYPES, DecoderConfig, UnsupportedConfigError, dtype_name
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.hf_export import save_pretrained, state_dict  # the export side, re-exported
-from jaxrl_llm.models.hf_layout import (
+from jaxrl_llm.weights.hf_export import save_pretrained, state_dict  # the export side, re-exported
+from jaxrl_llm.weights.hf_layout import (
     Index,
     Layout,
     TensorRule,
@@ -36,7 +36,7 @@ from jaxrl_llm.models.hf_layout import (
     normalise_index,
     tensor_rules,
 )
-from jaxrl_llm.models.hf_params import (
+from jaxrl_llm.weights.hf_params import (
     _NP_DTYPES,
     EXPORT_DTYPES,
     SAFE_INDEX,

@@ -2,7 +2,7 @@
 `generation_config.json` and tokenizer files that `transformers` and vLLM load.
 
 Driven by the same mapping table as the import (`hf_layout.tensor_rules`), in the inverse
-direction; re-exported by `models.hf` (`hf.save_pretrained`, `hf.state_dict`).
+direction; re-exported by `weights.hf` (`hf.save_pretrained`, `hf.state_dict`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import safetensors.numpy
 
 from jaxrl_llm.models.config import DecoderConfig, dtype_name
 from jaxrl_llm.models.decoder import Decoder
-from jaxrl_llm.models.hf_layout import expand_rules, tensor_rules
-from jaxrl_llm.models.hf_params import (
+from jaxrl_llm.weights.hf_layout import expand_rules, tensor_rules
+from jaxrl_llm.weights.hf_params import (
     _NP_DTYPES,
     EXPORT_DTYPES,
     SAFE_INDEX,
@@ -30,7 +30,7 @@ from jaxrl_llm.models.hf_params import (
     _ParamReader,
     _per_layer_shapes,
 )
-from jaxrl_llm.models.lora_export import merge_lora
+from jaxrl_llm.weights.lora_export import merge_lora
 
 __all__ = ["save_pretrained", "state_dict"]
 

@@ -64,13 +64,13 @@ def weights_path(model_config: Any, *, files: list[str] | None = None) -> str:
         raise ConfigError(f"model.source={m.source!r} has no weights file (one of "
                           f"{list(WEIGHT_SOURCES)} has)")
     if m.path is not None:
-        if m.source == "hf":  # a hub id (org/name) -> its cached snapshot (models/hub.py)
-            from jaxrl_llm.models.hub import resolve_model_dir
+        if m.source == "hf":  # a hub id (org/name) -> its cached snapshot (weights/hub.py)
+            from jaxrl_llm.weights.hub import resolve_model_dir
 
             return resolve_model_dir(str(m.path), revision=m.revision, files=files)
         return str(m.path)
     if m.source == "smollm2":
-        from jaxrl_llm.models.packaged import smollm2_gguf_path
+        from jaxrl_llm.weights.packaged import smollm2_gguf_path
 
         return str(smollm2_gguf_path())
     raise ConfigError(f"model.path is not set, but model.source={m.source!r} loads its weights "
@@ -109,12 +109,12 @@ def decoder_config(model_config: Any) -> DecoderConfig:
         return DecoderConfig.from_model_config(m)
     path = weights_path(m, files=["config.json"])  # a hub id: its config only
     if m.source == "hf" and (Path(path) / "config.json").is_file():
-        from jaxrl_llm.models.hf import read_hf_config
+        from jaxrl_llm.weights.hf import read_hf_config
 
         return DecoderConfig.from_hf(read_hf_config(path), source=str(Path(path) / "config.json"),
                                      **numerics(m))
     if m.source != "hf" and Path(path).is_file():
-        from jaxrl_llm.models.gguf import gguf_hf_config
+        from jaxrl_llm.weights.gguf import gguf_hf_config
 
         return DecoderConfig.from_hf(gguf_hf_config(path), source=path, **numerics(m))
     return DecoderConfig.from_model_config(m)
@@ -176,11 +176,11 @@ def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
     dtype = numerics(m)["param_dtype"]  # "auto" resolved for this platform
     overrides = {k: v for k, v in numerics(m).items() if k != "param_dtype"}
     if m.source == "hf":
-        from jaxrl_llm.models.hf import load_pretrained
+        from jaxrl_llm.weights.hf import load_pretrained
 
         model = load_pretrained(path, dtype=dtype, mesh=mesh, rules=rules, **overrides)
         return LoadedModel(model, None)
-    from jaxrl_llm.models.gguf import load_gguf
+    from jaxrl_llm.weights.gguf import load_gguf
 
     loaded = load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, **overrides)
     return LoadedModel(loaded.model, loaded.tokenizer)
@@ -192,7 +192,7 @@ def source_tokenizer(model_config: Any) -> Any | None:
     tokenizer files, see `generate.loading.tokenizer_from_config`)."""
     if model_config.source not in ("gguf", "smollm2"):
         return None
-    from jaxrl_llm.models.gguf import read_gguf
+    from jaxrl_llm.weights.gguf import read_gguf
 
     return read_gguf(weights_path(model_config))[2]
 

@@ -19,7 +19,7 @@ bucket, batch size, `max_new_tokens`, `n`, `top_k` and top-p on/off reuse one co
 once and its n samples share that prefill. Decode runs in `lax.while_loop` segments that exit
 early once every row has emitted a stop token; between segments, rows that have finished are
 dropped from the batch once at most half are still running (`Sampler(segment_steps=,
-min_rows=)`, models/decode_program.py), without changing any sample. A finished row's tokens
+min_rows=)`, sampling/decode_program.py), without changing any sample. A finished row's tokens
 are `pad_token_id` and its log-probs 0 after its stop token. The KV cache grows between up
 to `cache_windows` windows of steps (`window_ends`): a decode step attends over the slots its
 window can fill, not over prompt + max_new_tokens from the first step.
@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxrl_llm.models.decode_program import (  # noqa: F401 (process_logits re-exported)
+from jaxrl_llm.sampling.decode_program import (  # noqa: F401 (process_logits re-exported)
     Program,
     decode_segment,
     fused_layer_params,
@@ -169,7 +169,7 @@ class Sampler:
     segment_steps: with stop tokens, decode runs in segments of this many steps (default
         max(8, max_new_tokens / 8)); after a segment, once at most half the rows are still
         running, only those rows (padded to a power of two ≥ `min_rows`) go on, so finished
-        rows stop costing compute (`models.decode_program`: the samples do not change).
+        rows stop costing compute (`sampling.decode_program`: the samples do not change).
     cache_windows: decode runs in up to this many windows of steps, the KV cache growing
         between them (`window_ends`); 1 allocates prompt + max_new_tokens slots at the prefill.
     """

@@ -1,0 +1,1 @@
+"""How we sample: the KV-cache decode program and the batched sampler built on it."""
