@@ -104,16 +104,105 @@ def warm_model_section(warm: dict[str, Any]) -> dict[str, Any]:
     return {"source": "hf", "path": warm["model"]}
 
 
+# The quickstart's testbed (`jaxrl-llm quickstart`'s policy before RL): a 4-layer, 128-wide
+# Llama (0.83M parameters) on a byte-level BPE tokenizer trained on the task's text, SFT-warmed
+# on gold solutions of one- or two-operation arithmetic (operands 1–9) until pass@1 ≥ 0.2 on
+# 64 validation questions. Built by `jaxrl_llm.quickstart`'s own functions (`build_tokenizer`,
+# `sft_warm_start`) from `QUICKSTART_DEFAULTS`; smoke → fewer SFT steps and gold prompts.
+QUICKSTART_SMOKE_OVERRIDES = ["sft.steps=10", "sft.num_prompts=128", "sft.eval_every=10",
+                              "sft.eval_questions=8", "sft.eval_n=2"]
+# Pass@1 of the warm policy measured on these many questions × samples per split (T = 1);
+# the validation questions use problem seed 1, not the seed-0 ones SFT stopped on.
+QUICKSTART_MEASURE = {"full": {"questions": 256, "n": 8}, "smoke": {"questions": 8, "n": 2}}
+VALIDATION_SEED = 1
+
+
+def quickstart_sections(warm: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The config sections an experiment on the quickstart testbed needs beside its model:
+    the quickstart's task options and sequence lengths (to pass to `base_config`)."""
+    return {key: dict(value) for key, value in warm["sections"].items()}
+
+
+def warm_policy_quickstart(cache: Path, *, smoke: bool = False) -> dict[str, Any]:
+    """The quickstart's SFT-warmed policy as an HF directory `cache/models/sft` (built once):
+    `quickstart.build_tokenizer` → `quickstart.sft_warm_start` (the quickstart's own stage,
+    stopping at its pass@1 target) → `export.atomic_save` with the tokenizer; then pass@1 ± SE
+    on a validation split and on test. Returns `cache/warm.json`'s content, whose `sections`
+    are the config sections experiments on this policy use (`quickstart_sections`)."""
+    from jaxrl_llm.eval.evaluate import evaluate_model
+    from jaxrl_llm.export import atomic_save
+    from jaxrl_llm.generate.loading import task_from_config
+    from jaxrl_llm.quickstart import (
+        QUICKSTART_DEFAULTS,
+        build_tokenizer,
+        load_quickstart_config,
+        sft_warm_start,
+    )
+
+    cache = cache.resolve()
+    info_path = cache / "warm.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    t0 = time.perf_counter()
+    overrides = [f"run_dir={cache / 'quickstart'}"]
+    config = load_quickstart_config(None, overrides + (QUICKSTART_SMOKE_OVERRIDES if smoke
+                                                       else []))
+    task = task_from_config(config)
+    run_dir = cache / "quickstart"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # as `run_quickstart` does before SFT: the tokenizer fixes the vocabulary
+    tokenizer = build_tokenizer(config, task, run_dir / "tokenizer")
+    config.model.vocab_size = len(tokenizer)
+    config.data.tokenizer = str(run_dir / "tokenizer")
+    model, sft = sft_warm_start(config, tokenizer, task, run_dir, progress=False)
+    model_dir = atomic_save(model, cache / "models" / "sft", tokenizer=tokenizer, overwrite=True)
+    measure = QUICKSTART_MEASURE["smoke" if smoke else "full"]
+    g = config.generate
+    splits: dict[str, dict[str, float]] = {}
+    for split, seed in (("validation", VALIDATION_SEED), ("test", 0)):
+        problems = task.load(split=split, num=measure["questions"], seed=seed)
+        summary, _ = evaluate_model(model, tokenizer, task, problems, n=measure["n"],
+                                    temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                                    batch_size=g.batch_size, seed=1234, maj_k=(1,), trials=2)
+        splits[split] = {"pass_at_1": float(summary["pass_at_1"]["mean"]),
+                         "pass_at_1_se": float(summary["pass_at_1"]["se"]),
+                         "invalid": float(summary["proportions"]["invalid"]),
+                         "questions": measure["questions"], "n": measure["n"],
+                         "problem_seed": seed}
+    defaults = QUICKSTART_DEFAULTS
+    info = {"model": str(model_dir), "testbed": "quickstart", "smoke": smoke,
+            "num_params": int(sum(np.size(x) for x in _leaves(model))),
+            "sft_steps": int(sft["steps"]), "sft_overrides": overrides[1:] + (
+                QUICKSTART_SMOKE_OVERRIDES if smoke else []),
+            "pass_at_1": splits["test"]["pass_at_1"],
+            "pass_at_1_se": splits["test"]["pass_at_1_se"],
+            "invalid": splits["test"]["invalid"], "splits": splits,
+            "sections": {"data": {"task_options": dict(config.data.task_options)},
+                         "train": {"max_seq_len": defaults["train"]["max_seq_len"]},
+                         "generate": {"max_new_tokens": g.max_new_tokens}},
+            "seconds": round(time.perf_counter() - t0, 1)}
+    info_path.write_text(json.dumps(info, indent=2))
+    return info
+
+
+def _leaves(model: Any) -> list[Any]:
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
 class Probe:
     """Pass@1 and invalid rate of a model on fixed test questions with a fixed sampling seed
     (common random numbers: every checkpoint is scored on the same draws)."""
 
-    def __init__(self, config: Any, *, num_questions: int, n: int, seed: int = 1234) -> None:
+    def __init__(self, config: Any, *, num_questions: int, n: int, seed: int = 1234,
+                 split: str = "test", problem_seed: int = 0) -> None:
         from jaxrl_llm.generate.loading import task_from_config
 
         self.config = config
         self.task = task_from_config(config)
-        self.problems = self.task.load(split="test", num=num_questions, seed=0)
+        self.problems = self.task.load(split=split, num=num_questions, seed=problem_seed)
         self.n, self.seed = n, seed
         self._tokenizer: Any = None
 
@@ -240,31 +329,33 @@ def write_results(out: Path, name: str, results: dict[str, Any]) -> Path:
 
 
 def parse_args(description: str, default_out: str,
-               extra: Callable[[Any], None] | None = None) -> Any:
+               extra: Callable[[Any], None] | None = None,
+               cache_name: str = "warm_policy") -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=default_out, help="output directory (PNG + JSON)")
     parser.add_argument("--cache", default=None,
                         help="where the shared SFT-warmed policy is built once (default: "
-                             "OUT/../warm_policy, or warm_policy_smoke with --smoke)")
+                             f"OUT/../{cache_name}, or {cache_name}_smoke with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; under a minute")
     if extra is not None:
         extra(parser)
     args = parser.parse_args()
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    default_cache = args.out.parent / ("warm_policy_smoke" if args.smoke else "warm_policy")
+    default_cache = args.out.parent / (f"{cache_name}_smoke" if args.smoke else cache_name)
     args.cache = Path(args.cache).resolve() if args.cache else default_cache
     return args
 
 
 def run_experiment(doc: str, name: str, config: Path,
                    run: Callable[[Any, dict[str, Any]], dict[str, Any]],
-                   plot: Callable[[dict[str, Any], Path], None]) -> None:
+                   plot: Callable[[dict[str, Any], Path], None], *,
+                   cache_name: str = "warm_policy") -> None:
     """The `main()` of an experiment script: parse `--out/--smoke`, run the config's `full` or
     `smoke` section, record wall and CPU seconds, write `results.json` and `NAME.png`."""
-    args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}")
+    args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}", cache_name=cache_name)
     cfg = yaml.safe_load(config.read_text())["smoke" if args.smoke else "full"]
     t0 = time.perf_counter()
     results = run(args, cfg)
