@@ -109,7 +109,7 @@ def warm_model_section(warm: dict[str, Any]) -> dict[str, Any]:
 # on gold solutions of one- or two-operation arithmetic (operands 1–9) until pass@1 ≥ 0.2 on
 # 64 validation questions. Built by `jaxrl_llm.quickstart`'s own functions (`build_tokenizer`,
 # `sft_warm_start`) from `QUICKSTART_DEFAULTS`; smoke → fewer SFT steps and gold prompts.
-QUICKSTART_SMOKE_OVERRIDES = ["sft.steps=10", "sft.num_prompts=128", "sft.eval_every=10",
+QUICKSTART_SMOKE_OVERRIDES = ["sft.steps=10", "sft.num_prompts=64", "sft.batch_size=8", "sft.eval_every=10",
                               "sft.eval_questions=8", "sft.eval_n=2"]
 # Pass@1 of the warm policy measured on these many questions × samples per split (T = 1);
 # the validation questions use problem seed 1, not the seed-0 ones SFT stopped on.
