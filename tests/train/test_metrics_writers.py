@@ -129,6 +129,11 @@ def test_train_logs_to_wandb_offline(tmp_path, monkeypatch):
     Path("exp.yaml").write_text(yaml.safe_dump(config))
     assert cli_main(["train", "--config", "exp.yaml", "--no-progress", "metrics.wandb=true",
                      "metrics.wandb_project=p19", "metrics.wandb_tags=[cpu,test]"]) == 0
+    import wandb
+
+    # `run.finish()` returns before wandb's service process has flushed the offline file to
+    # disk (seen on a loaded machine: no history rows yet); teardown waits for that process.
+    wandb.teardown()
 
     jsonl = [json.loads(x) for x in (tmp_path / "run" / METRICS_FILE).read_text().splitlines()]
     assert [r["step"] for r in jsonl] == [1, 2, 3]
