@@ -366,3 +366,20 @@ def run_experiment(doc: str, name: str, config: Path,
     write_results(args.out, "results", results)
     plot(results, args.out / f"{name}.png")
     print(f"wrote {args.out / 'results.json'} and {name}.png in {results['seconds']} s")
+
+
+class PassAtKProbe(Probe):
+    """`Probe` that also reports unbiased pass@k for every k ≤ n (`pass_at_K` keys)."""
+
+    def __call__(self, model: Any) -> dict[str, float]:
+        from jaxrl_llm.eval.evaluate import evaluate_model
+
+        g = self.config.generate
+        summary, _ = evaluate_model(model, self.tokenizer(), self.task, self.problems, n=self.n,
+                                    temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                                    batch_size=g.batch_size, seed=self.seed, maj_k=(1,), trials=2,
+                                    progress=False)
+        return {"pass_at_1": float(summary["pass_at_1"]["mean"]),
+                "pass_at_1_se": float(summary["pass_at_1"]["se"]),
+                "invalid": float(summary["proportions"]["invalid"]),
+                **{f"pass_at_{k}": float(v) for k, v in summary["pass_at_k"].items()}}

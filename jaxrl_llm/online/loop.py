@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +156,18 @@ def _mu(policy: Policy, config: OnlineConfig, run: _Run, records: list[Any]
     return [r.replace(mu_logprobs=r.raw_logprobs) for r in records], metrics
 
 
-def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None) -> OnlineResult:
+EvalHook = Callable[[int, Policy], dict[str, float]]
+
+
+def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
+               eval_hook: EvalHook | None = None, eval_every: int = 0) -> OnlineResult:
     """Run (or resume) the online loop of `config` (module docstring) on `mesh` (default:
-    the `mesh:` section over every device)."""
+    the `mesh:` section over every device). `eval_hook(updates, policy)`, with
+    `eval_every` > 0, is called at the end of every round whose update count reached a new
+    multiple of `eval_every` (and after the last update); the numbers it returns join that
+    round's metrics row as `eval/KEY`. Python API only (the experiments' probes)."""
+    if eval_hook is not None and eval_every <= 0:
+        raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
     from jaxrl_llm.progress import progress_bar
     from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
     from jaxrl_llm.train.metrics_log import MetricsLogger
@@ -206,6 +216,12 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None)
             run.position = (run.position + o.prompts_per_round) % len(problems)
             metrics.update(mismatch)
             metrics.update(mean_metrics(steps))
+            before = run.updates - len(steps)
+            if eval_hook is not None and steps and (
+                    run.updates // eval_every > before // eval_every
+                    or run.updates == total_updates):
+                metrics.update({f"eval/{k}": float(v)
+                                for k, v in eval_hook(run.updates, policy).items()})
             metrics.update(updates=run.updates, round_updates=len(steps), queued=len(run.queue),
                            mu_from_sampler=float(run.mu_source == "sampler"),
                            seconds_sampling=t1 - t0, seconds_scoring=t2 - t1,

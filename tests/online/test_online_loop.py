@@ -74,3 +74,22 @@ def test_pkpo_k_follows_the_schedule_and_transforms_each_round(tmp_path: Path) -
     # 0/1 rewards, all wrong on a random model: PKPO's weights are 0, so no gradient at all
     assert all(r["reward_mean"] == 0.0 for r in rows)
     assert all(r["grad_norm"] == 0.0 for r in rows)
+
+
+def test_eval_hook_runs_at_every_multiple_of_eval_every_and_logs(tmp_path: Path) -> None:
+    # s = 1 and 5 rounds with 1 update each: rounds 0..5, updates after each 0,1,2,3,4,5;
+    # eval_every 2 → probes at updates 2 and 4, plus the last update (5)
+    seen: list[tuple[int, int]] = []
+
+    def hook(updates, policy):
+        seen.append((updates, policy.updates))
+        return {"pass_at_1": updates / 10}
+
+    config = config_from_dict(tiny(tmp_path / "hook", online={"rounds": 5, "staleness": 1}),
+                              schema=OnlineConfig)
+    run_online(config, progress=False, eval_hook=hook, eval_every=2)
+    assert seen == [(2, 2), (4, 4), (5, 5)]
+    rows = metric_rows(tmp_path / "hook")
+    assert [r.get("eval/pass_at_1") for r in rows] == [None, None, 0.2, None, 0.4, 0.5]
+    with pytest.raises(ValueError, match="eval_every"):
+        run_online(config, progress=False, eval_hook=hook)

@@ -1,0 +1,223 @@
+"""Staleness sweep in the online loop on the quickstart testbed (the set-up of M2PO
+arXiv:2510.01161: update u trains on samples drawn by the policy of update u − s), for TOPR,
+M2PO, CISPO, GRPO and IcePop at s ∈ staleness.
+
+Per method, staleness s and seed: one `jaxrl-llm online` run (`online.loop.run_online`, the
+command's own function, called in-process with an eval hook) from the quickstart's SFT-warmed
+policy μ. Each round samples `generate.n` completions of `prompts_per_round` fresh prompts
+with the current weights (±1 rewards), the batch joins the staleness queue, and the batch
+that leaves it is one optimizer update; `updates` updates in all, so with s > 0 the first
+s + 1 updates train on samples of the initial policy (the queue fills with s rounds of μ's
+samples before the first update). Probed every `eval_every` updates: test pass@1 and
+invalid rate on fixed test questions with a fixed sampling seed (common random numbers);
+logged by the loop: the loss's ESS / masked / clipped fraction and log π − log μ, averaged
+over the rounds between probes. Within a seed every (method, s) run samples the same
+prompts and its first round draws the same records.
+
+    python experiments/staleness.py --out runs/experiments/staleness [--smoke]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+from experiments import common
+
+CONFIG = Path(__file__).with_name("staleness.yaml")
+LOGGED = ("ess", "clip", "mask", "log_ratio")
+
+
+def online_config(out: Path, warm: dict[str, Any], cfg: dict[str, Any], method: str,
+                  staleness: int, seed: int, extra: dict[str, Any] | None = None) -> Any:
+    """The `jaxrl-llm online` config of one run (written beside its run directory)."""
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.online.config import OnlineConfig
+
+    spec = cfg["methods"][method]
+    run_dir = out / "runs" / f"{method}-s{staleness}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the loop would resume
+    sections = common.quickstart_sections(warm)
+    extra = extra or {}
+    tree = common.base_config(
+        common.warm_model_section(warm), seed=seed, run_dir=str(run_dir),
+        loss={"name": spec.get("loss", method), **spec.get("keys", {})},
+        optim={"learning_rate": spec["lr"], "schedule": "constant"},
+        train={**sections["train"], "log_every": 1, "batch_size": cfg["prompts_per_round"]
+               * cfg["n"] // cfg.get("updates_per_round", 1)},
+        generate={**sections["generate"], "n": cfg["n"],
+                  "batch_size": cfg["prompts_per_round"] * cfg["n"]},
+        data={**sections["data"], "num_prompts": cfg["num_prompts"],
+              "reward_scheme": cfg.get("reward_scheme", "pm1"), **extra.get("data", {})},
+        online={"rounds": cfg["updates"] // cfg.get("updates_per_round", 1), "prompts_per_round": cfg["prompts_per_round"],
+                "updates_per_round": cfg.get("updates_per_round", 1), "staleness": staleness,
+                "checkpoint_every": 10**9, "pass_k": cfg.get("pass_k", [1]),
+                **extra.get("online", {})})
+    path = common.write_config(out / "configs" / f"{run_dir.name}.yaml", tree)
+    return load_config(str(path), [], schema=OnlineConfig)
+
+
+def run_online_probed(config: Any, probe: Any, eval_every: int) -> tuple[list[dict], list[dict]]:
+    """One online run with `probe(model)` every `eval_every` updates; (probe rows with the
+    window-mean of the logged loss metrics, every round's metrics row)."""
+    from jaxrl_llm.online.loop import run_online
+
+    rows: list[dict[str, float]] = []
+
+    def hook(updates: int, policy: Any) -> dict[str, float]:
+        row = probe(policy.model)
+        rows.append({"updates": updates, **row})
+        return row
+
+    result = run_online(config, progress=False, eval_hook=hook, eval_every=eval_every)
+    total = config.online.rounds * config.online.updates_per_round
+    if result.updates != total or rows[-1]["updates"] != total:
+        raise RuntimeError(f"{config.run_dir}: {result.updates} updates, not {total}")
+    metrics = [json.loads(line) for line in
+               (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    lo = 0
+    for row in rows:  # the loss metrics averaged over the updates since the previous probe
+        window = [m for m in metrics if lo < m.get("updates", 0) <= row["updates"]
+                  and m.get("round_updates", 0) > 0]
+        keys = {k for m in window for k, v in m.items() if k.startswith("loss/")
+                and isinstance(v, int | float) and any(t in k for t in LOGGED)}
+        for k in sorted(keys):
+            row[k] = float(np.mean([m[k] for m in window if k in m]))
+        lo = row["updates"]
+    return rows, metrics
+
+
+def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    from jaxrl_llm.losses.registry import LOSS_SPECS
+
+    warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
+    missing = [m for m in cfg["methods"] if cfg["methods"][m].get("loss", m) not in LOSS_SPECS]
+    if missing:
+        raise SystemExit(f"losses not in the registry: {missing}")
+    results: dict[str, Any] = {"config": cfg, "warm_policy": warm, "methods": {}}
+    probe = None
+    start: dict[str, float] = {}
+    runs: dict[str, dict[int, dict[str, list[dict[str, float]]]]] = {
+        m: {s: {} for s in cfg["staleness"]} for m in cfg["methods"]}
+    seconds: dict[str, dict[int, dict[str, float]]] = {
+        m: {s: {} for s in cfg["staleness"]} for m in cfg["methods"]}
+    # seed-major: every (method, s) cell gets its first seed before any gets its second
+    for seed in sorted({x for s in cfg["staleness"] for x in seeds_of(cfg, s)}):
+        for method in cfg["methods"]:
+            for s in cfg["staleness"]:
+                if seed not in seeds_of(cfg, s):
+                    continue
+                config = online_config(args.out, warm, cfg, method, s, seed)
+                if probe is None:
+                    probe = common.Probe(config, num_questions=cfg["eval_questions"],
+                                         n=cfg["eval_n"])
+                    start = probe(common.load_policy(warm["model"], config))
+                    results["start"] = start
+                t0 = time.perf_counter()
+                rows, _ = run_online_probed(config, probe, cfg["eval_every"])
+                seconds[method][s][str(seed)] = round(time.perf_counter() - t0, 1)
+                runs[method][s][str(seed)] = [{"updates": 0, **start}, *rows]
+                last = rows[-1]
+                print(f"[{method} s={s} seed {seed}] {last['updates']} updates: test pass@1 "
+                      f"{last['pass_at_1']:.3f} invalid {last['invalid']:.3f} "
+                      f"({seconds[method][s][str(seed)]} s)", flush=True)
+                # the finished runs so far (a cut run still leaves its measurements)
+                common.write_results(args.out, "partial", {"start": start, "runs": {
+                    m: {str(k): v for k, v in by_s.items()} for m, by_s in runs.items()}})
+    for method in cfg["methods"]:
+        results["methods"][method] = {
+            str(s): summarise(runs[method][s], seconds[method][s], s, cfg["updates"])
+            for s in cfg["staleness"]}
+    return results
+
+
+def seeds_of(cfg: dict[str, Any], s: int) -> list[int]:
+    """The seeds run at staleness s: `seeds_by_staleness[s]`, else `seeds`."""
+    return list((cfg.get("seeds_by_staleness") or {}).get(s, cfg["seeds"]))
+
+
+def summarise(runs: dict[str, list[dict[str, float]]], seconds: dict[str, float], s: int,
+              updates: int) -> dict[str, Any]:
+    """Mean ± SE over seeds of the probe curves and the last probe."""
+    by_seed = list(runs.values())
+    out: dict[str, Any] = {"updates": [r["updates"] for r in by_seed[0]], "runs": runs,
+                           "seconds": seconds, "seeds": len(by_seed),
+                           "updates_on_initial_policy_samples": min(s + 1, updates)}
+    keys = [k for k in by_seed[0][-1] if k in ("pass_at_1", "invalid") or k.startswith("loss/")]
+    for key in keys:
+        first = 0 if key in ("pass_at_1", "invalid") else 1  # step 0 has no loss metrics
+        if all(key in r for rows in by_seed for r in rows[first:]):
+            mean, se = common.mean_se([[r[key] for r in rows[first:]] for rows in by_seed])
+            out[key] = {"mean": mean.tolist(), "se": se.tolist()}
+    for key in ("pass_at_1", "invalid"):
+        mean, se = common.mean_se([[rows[-1][key]] for rows in by_seed])
+        out[f"final_{key}"] = {"mean": float(mean[0]), "se": float(se[0]),
+                               "per_seed": [rows[-1][key] for rows in by_seed]}
+    mean, se = common.mean_se([[rows[-1]["pass_at_1"] - rows[0]["pass_at_1"]]
+                               for rows in by_seed])
+    out["final_minus_start"] = {"mean": float(mean[0]), "se": float(se[0])}
+    return out
+
+
+FRACTIONS = {"topr": "loss/clip_frac_neg_high", "grpo": "loss/clip_frac",
+             "cispo": "loss/clip_frac_high", "m2po": "loss/masked_frac",
+             "icepop": "loss/masked_frac"}
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(results["methods"])
+    stal = results["config"]["staleness"]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    for i, method in enumerate(methods):  # final pass@1 vs s
+        entry = results["methods"][method]
+        m = [entry[str(s)]["final_pass_at_1"]["mean"] for s in stal]
+        se = [entry[str(s)]["final_pass_at_1"]["se"] for s in stal]
+        axes[0].errorbar(range(len(stal)), m, yerr=se, marker="o", capsize=3, color=f"C{i}",
+                         label=method)
+    axes[0].axhline(results["start"]["pass_at_1"], color="k", ls="--", label="μ (start)")
+    axes[0].set(xticks=range(len(stal)), xticklabels=[str(s) for s in stal], xlabel="staleness s",
+                ylabel="test pass@1 after the last update", title="final pass@1 (mean ± SE)")
+    for ax, s in zip(axes[1:3], (stal[0], stal[-1]), strict=True):  # curves at s_min, s_max
+        for i, method in enumerate(methods):
+            e = results["methods"][method][str(s)]
+            m, se = np.array(e["pass_at_1"]["mean"]), np.array(e["pass_at_1"]["se"])
+            ax.plot(e["updates"], m, marker=".", color=f"C{i}", label=method)
+            ax.fill_between(e["updates"], m - se, m + se, color=f"C{i}", alpha=0.2)
+        ax.set(xlabel="update", ylabel="test pass@1", title=f"s = {s}")
+    for i, method in enumerate(methods):  # masked/clipped fraction at s_max
+        e = results["methods"][method][str(stal[-1])]
+        key = FRACTIONS.get(method)
+        if key in e:
+            axes[3].plot(e["updates"][1:], e[key]["mean"], marker=".", color=f"C{i}",
+                         label=f"{method}: {key}")
+    axes[3].set(xlabel="update", ylabel="fraction (window mean)",
+                title=f"masked / clipped fraction, s = {stal[-1]}")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Online loop on the quickstart testbed: staleness s (update u trains on the "
+                 "samples of update u − s)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    common.run_experiment(__doc__, "staleness", CONFIG, run, plot,
+                          cache_name="warm_policy_quickstart")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The online experiments on the quickstart testbed (experiments/staleness.py and
+experiments/pkpo_online.py) with `--smoke`, as a user runs them: a subprocess from a temporary
+directory. Checked: the PNG and the JSON exist, every number is finite, every configured
+(method, s, seed) ran with one probe per `eval_every` updates ending at the last update, the
+first point is the start (the same for every run), the count of updates trained on the initial
+policy's samples is s + 1, TOPR's logged fractions lie in [0, 1], the on-policy run's log π − log μ
+stays ~0 while the stale run's does not, and pass@k is monotone in k. The scientific outcome is
+measured in experiments/README.md, not asserted here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.experiments.test_smoke import numbers, run_smoke, smoke_config
+
+
+@pytest.mark.slow
+def test_staleness_smoke(tmp_path):
+    out = run_smoke("staleness.py", tmp_path)
+    assert (out / "staleness.png").stat().st_size > 1000
+    results = json.loads((out / "results.json").read_text())
+    assert all(math.isfinite(x) for x in numbers(results))
+    cfg = smoke_config("staleness")
+    probes = [0, *range(cfg["eval_every"], cfg["updates"] + 1, cfg["eval_every"])]
+    assert sorted(results["methods"]) == sorted(cfg["methods"])
+    for method, by_s in results["methods"].items():
+        assert sorted(by_s, key=int) == [str(s) for s in cfg["staleness"]]
+        for s, entry in by_s.items():
+            assert entry["updates"] == probes, (method, s)
+            assert sorted(entry["runs"]) == [str(x) for x in cfg["seeds"]]
+            assert entry["pass_at_1"]["mean"][0] == results["start"]["pass_at_1"]
+            assert entry["updates_on_initial_policy_samples"] == min(int(s) + 1, cfg["updates"])
+            assert 0.0 <= entry["final_pass_at_1"]["mean"] <= 1.0
+            for key in ("loss/ess_fraction", "loss/clip_frac_neg_high"):
+                assert len(entry[key]["mean"]) == len(probes) - 1, (method, s, key)
+                assert all(0.0 <= v <= 1.0 + 1e-6 for v in entry[key]["mean"]), (method, s, key)
+        # on-policy (s = 0, one update per round): π = μ at every update; stale: not after θ0
+        on, stale = by_s["0"]["loss/log_ratio_max"]["mean"], by_s[str(max(cfg["staleness"]))]
+        assert all(abs(v) < 1e-4 for v in on), on
+        assert abs(stale["loss/log_ratio_max"]["mean"][-1]) > 1e-4  # max of log π − log μ: ±
+    assert (out / "partial.json").exists()
+
+
+@pytest.mark.slow
+def test_pkpo_online_smoke(tmp_path):
+    out = run_smoke("pkpo_online.py", tmp_path)
+    assert (out / "pkpo_online.png").stat().st_size > 1000
+    results = json.loads((out / "results.json").read_text())
+    assert all(math.isfinite(x) for x in numbers(results))
+    cfg = smoke_config("pkpo_online")
+    assert sorted(results["arms"]) == sorted([*(f"k={k}" for k in cfg["ks"]), "anneal"])
+    assert results["schedules"]["anneal"] == cfg["anneal"]
+    probes = [0, *range(cfg["eval_every"], cfg["updates"] + 1, cfg["eval_every"])]
+    for arm, entry in results["arms"].items():
+        assert entry["updates"] == probes, arm
+        assert sorted(entry["pass_at_k"], key=int) == [str(k) for k in range(1, cfg["eval_n"] + 1)]
+        for i in range(len(probes)):
+            curve = [entry["pass_at_k"][str(k)]["mean"][i] for k in range(1, cfg["eval_n"] + 1)]
+            assert all(0.0 <= a <= b + 1e-9 <= 1.0 + 1e-9 for a, b in zip(curve, curve[1:])), arm
+        assert entry["pass_at_k"]["1"]["mean"][0] == results["start"]["pass_at_1"]
