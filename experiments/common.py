@@ -352,10 +352,12 @@ def parse_args(description: str, default_out: str,
 def run_experiment(doc: str, name: str, config: Path,
                    run: Callable[[Any, dict[str, Any]], dict[str, Any]],
                    plot: Callable[[dict[str, Any], Path], None], *,
-                   cache_name: str = "warm_policy") -> None:
+                   cache_name: str = "warm_policy",
+                   extra: Callable[[Any], None] | None = None) -> None:
     """The `main()` of an experiment script: parse `--out/--smoke`, run the config's `full` or
     `smoke` section, record wall and CPU seconds, write `results.json` and `NAME.png`."""
-    args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}", cache_name=cache_name)
+    args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}", extra=extra,
+                      cache_name=cache_name)
     cfg = yaml.safe_load(config.read_text())["smoke" if args.smoke else "full"]
     t0 = time.perf_counter()
     results = run(args, cfg)

@@ -16,6 +16,11 @@ Methods are loss names with their `loss.*` keys (offline_epochs.yaml); a name th
 registry does not have is skipped with a note, so the config can name losses before they land.
 
     python experiments/offline_epochs.py --out runs/experiments/offline_epochs [--smoke]
+        [--methods NAME ...]
+
+`--methods` runs only the named methods (same protocol, datasets and warm policy, reused from
+OUT when there) and merges them into OUT/results.json: the other methods' entries are read
+from it and kept, provided it was written under the same config.
 """
 
 from __future__ import annotations
@@ -46,6 +51,44 @@ def available_methods(cfg: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], l
         print(f"note: loss {m!r} is not in this checkout's loss registry; skipping it "
               f"(registry: {', '.join(LOSS_SPECS)})", flush=True)
     return methods, skipped
+
+
+def select_methods(methods: dict[str, dict[str, Any]], names: list[str] | None,
+                   cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`--methods`: the named subset of the runnable methods (all of them without it)."""
+    if not names:
+        return methods
+    unknown = [m for m in names if m not in methods]
+    if unknown:
+        raise SystemExit(f"--methods {' '.join(unknown)}: not among this config's runnable "
+                         f"methods ({', '.join(methods)})")
+    return {m: methods[m] for m in cfg["methods"] if m in names}
+
+
+def merge(previous: dict[str, Any], results: dict[str, Any],
+          cfg: dict[str, Any]) -> dict[str, Any]:
+    """This run's methods merged into a previous results.json's: the previous entries of the
+    methods not rerun are kept, in the config's method order; the protocol must match."""
+    old = previous["config"]
+    per_method = ("methods", "clip_metric")
+    same = {k: v for k, v in cfg.items() if k not in per_method} == \
+        {k: v for k, v in old.items() if k not in per_method}
+    kept = [m for m in previous["methods"] if m not in results["methods"]]
+    if not same or any(old[k].get(m) != cfg[k].get(m) for k in per_method for m in kept):
+        raise SystemExit("--methods: the previous results.json was written under another "
+                         "config; rerun every method instead")
+    if previous.get("start") != results.get("start"):
+        print(f"warning: the start differs from the previous run's: {previous.get('start')} "
+              f"vs {results.get('start')}", flush=True)
+    entries = {**previous["methods"], **results["methods"]}
+    ran = [m for m in entries if m in cfg["methods"]]
+    merged = {**previous, **results,
+              "methods": {m: entries[m] for m in cfg["methods"] if m in ran},
+              "datasets": {**previous.get("datasets", {}), **results["datasets"]},
+              "merged": {"kept_from_previous": kept, "rerun": list(results["methods"]),
+                         "previous_seconds": previous.get("seconds")}}
+    merged["skipped_methods"] = [m for m in cfg["methods"] if m not in merged["methods"]]
+    return merged
 
 
 def dataset(out: Path, warm: dict[str, Any], cfg: dict[str, Any], seed: int) -> Path:
@@ -126,6 +169,10 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from jaxrl_llm.data.shards import RecordSource
 
     methods, skipped = available_methods(cfg)
+    methods = select_methods(methods, getattr(args, "methods", None), cfg)
+    previous_path = args.out / "results.json"
+    previous = json.loads(previous_path.read_text()) if getattr(args, "methods", None) \
+        and previous_path.exists() else None
     warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
     results: dict[str, Any] = {"config": cfg, "warm_policy": warm, "methods": {},
                                "skipped_methods": skipped, "datasets": {}}
@@ -192,7 +239,7 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 runs[method][best][s] = one(method, best, s)
         results["methods"][method] = summarise(cfg, method, runs[method], val, best,
                                                seconds[method])
-    return results
+    return merge(previous, results, cfg) if previous is not None else results
 
 
 def summarise(cfg: dict[str, Any], method: str, runs: dict[float, dict[int, list]],
@@ -274,8 +321,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
+    def methods_arg(parser: Any) -> None:
+        parser.add_argument("--methods", nargs="+", metavar="NAME",
+                            help="run only these methods and merge them into OUT/results.json "
+                                 "(the other methods' entries there are kept)")
+
     common.run_experiment(__doc__, "offline_epochs", CONFIG, run, plot,
-                          cache_name="warm_policy_quickstart")
+                          cache_name="warm_policy_quickstart", extra=methods_arg)
 
 
 if __name__ == "__main__":
