@@ -15,7 +15,8 @@ from tests.faults.harness import base_env, cli, interrupt, when
 from tests.online.helpers import final_arrays, metric_rows, tiny, write_yaml
 from tests.reliability import record
 
-pytestmark = [pytest.mark.reliability]
+# Slow (two kill-and-resume runs, ~1 min): CI runs it in its reliability step.
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 TIMING = ("time", "seconds_sampling", "seconds_scoring", "seconds_training")
 

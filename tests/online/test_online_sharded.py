@@ -26,6 +26,7 @@ def _run(tmp_path: Path, name: str, mesh) -> tuple[list[dict], dict, set[str]]:
             {jax.tree_util.keystr(p): np.asarray(a) for p, a in params}, specs)
 
 
+@pytest.mark.slow  # two subprocess runs, 8 fake devices and 1 (~35 s)
 def test_eight_devices_match_one(tmp_path: Path) -> None:
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")

@@ -112,10 +112,12 @@ def stale(run_dir: Path, records: Path, loss: str, **train: object) -> object:
     return config.model_copy(update={"loss": type(config.loss)(**options)})
 
 
-@pytest.mark.parametrize("loss,metric", [("cispo", "loss/is_weight_mean"),
-                                         ("gspo", "loss/seq_log_ratio_mean"),
-                                         ("icepop", "loss/masked_frac"), ("m2po", "loss/m2"),
-                                         ("vespo", "loss/phi_mean")])
+@pytest.mark.parametrize("loss,metric", [
+    ("cispo", "loss/is_weight_mean"),  # one in the default run; the rest with the slow tests
+    pytest.param("gspo", "loss/seq_log_ratio_mean", marks=pytest.mark.slow),
+    pytest.param("icepop", "loss/masked_frac", marks=pytest.mark.slow),
+    pytest.param("m2po", "loss/m2", marks=pytest.mark.slow),
+    pytest.param("vespo", "loss/phi_mean", marks=pytest.mark.slow)])
 def test_stale_sample_losses_train_on_whole_groups(tmp_path, generated, loss, metric):
     """cispo/gspo/icepop/m2po/vespo (losses/stale_is.py): whole groups, μ read, a finite loss,
     their own metrics logged, parameters moved; a 16-row batch split into two micro-batches
