@@ -47,6 +47,14 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    plot_pass_at_k(results, path, x_key="iteration", unit="iteration", start_label="π_0",
+                   where="in the iterated loop (")
+
+
+def plot_pass_at_k(results: dict[str, Any], path: Path, *, x_key: str, unit: str,
+                   start_label: str, where: str) -> None:
+    """Pass@k vs k after the last `unit`, and pass@1 / pass@n along `results[arm][x_key]`
+    (shared with `pkpo_online.py`, whose x axis is updates)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,28 +64,27 @@ def plot(results: dict[str, Any], path: Path) -> None:
     first = results["arms"][names[0]]
     ks = sorted(first["pass_at_k"], key=int)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name in names:  # pass@k vs k after the last iteration
+    for name in names:  # pass@k vs k after the last iteration / update
         entry = results["arms"][name]
         m = np.array([entry["pass_at_k"][k]["mean"][-1] for k in ks])
         se = np.array([entry["pass_at_k"][k]["se"][-1] for k in ks])
         axes[0].errorbar([int(k) for k in ks], m, yerr=se, marker="o", capsize=3, label=name)
     m0 = np.array([first["pass_at_k"][k]["mean"][0] for k in ks])
-    axes[0].plot([int(k) for k in ks], m0, "k--", label="π_0")
+    axes[0].plot([int(k) for k in ks], m0, "k--", label=start_label)
     axes[0].set(xlabel="k", ylabel="test pass@k", xscale="log", xticks=[int(k) for k in ks],
-                xticklabels=ks, title="after the last iteration")
-    for ax, k in zip(axes[1:], (ks[0], ks[-1]), strict=True):  # pass@1, pass@n per iteration
+                xticklabels=ks, title=f"after the last {unit}")
+    for ax, k in zip(axes[1:], (ks[0], ks[-1]), strict=True):  # pass@1, pass@n along the run
         for name in names:
             entry = results["arms"][name]
-            ax.errorbar(entry["iteration"], entry["pass_at_k"][k]["mean"],
+            ax.errorbar(entry[x_key], entry["pass_at_k"][k]["mean"],
                         yerr=entry["pass_at_k"][k]["se"], marker="o", capsize=3, label=name)
-        ax.set(xlabel="iteration", ylabel=f"test pass@{k}", title=f"pass@{k} per iteration",
-               xticks=first["iteration"])
+        ax.set(xlabel=unit, ylabel=f"test pass@{k}", title=f"pass@{k} per {unit}")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[2].legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
     n_seeds = len(results["config"]["seeds"])
-    fig.suptitle(f"PKPO k_opt at n = {results['config']['n']} in the iterated loop "
-                 f"(PKPO arXiv:2505.15201 Fig. 3; mean ± SE, {n_seeds} seeds)")
+    fig.suptitle(f"PKPO k_opt at n = {results['config']['n']} {where}"
+                 f"PKPO arXiv:2505.15201 Fig. 3; mean ± SE, {n_seeds} seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -21,10 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common, staleness
+from experiments import common, pkpo_iterated, staleness
 
 CONFIG = Path(__file__).with_name("pkpo_online.yaml")
 
@@ -87,39 +85,8 @@ def summarise(runs: dict[str, list[dict[str, float]]], seconds: dict[str, float]
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results["arms"])
-    first = results["arms"][names[0]]
-    ks = sorted(first["pass_at_k"], key=int)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name in names:  # pass@k vs k after the last update
-        entry = results["arms"][name]
-        m = np.array([entry["pass_at_k"][k]["mean"][-1] for k in ks])
-        se = np.array([entry["pass_at_k"][k]["se"][-1] for k in ks])
-        axes[0].errorbar([int(k) for k in ks], m, yerr=se, marker="o", capsize=3, label=name)
-    m0 = np.array([first["pass_at_k"][k]["mean"][0] for k in ks])
-    axes[0].plot([int(k) for k in ks], m0, "k--", label="μ (start)")
-    axes[0].set(xlabel="k", ylabel="test pass@k", xscale="log", xticks=[int(k) for k in ks],
-                xticklabels=ks, title="after the last update")
-    for ax, k in zip(axes[1:], (ks[0], ks[-1]), strict=True):
-        for name in names:
-            entry = results["arms"][name]
-            ax.errorbar(entry["updates"], entry["pass_at_k"][k]["mean"],
-                        yerr=entry["pass_at_k"][k]["se"], marker="o", capsize=3, label=name)
-        ax.set(xlabel="update", ylabel=f"test pass@{k}", title=f"pass@{k} along the run")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[2].legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
-    n_seeds = len(results["config"]["seeds"])
-    fig.suptitle(f"PKPO k_opt at n = {results['config']['n']}, online (quickstart testbed; "
-                 f"PKPO arXiv:2505.15201 Fig. 3; mean ± SE, {n_seeds} seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pkpo_iterated.plot_pass_at_k(results, path, x_key="updates", unit="update",
+                                 start_label="μ (start)", where="online (quickstart testbed; ")
 
 
 def main() -> None:
