@@ -142,7 +142,9 @@ def warm_policy_quickstart(cache: Path, *, smoke: bool = False) -> dict[str, Any
     cache = cache.resolve()
     info_path = cache / "warm.json"
     if info_path.exists():
-        return json.loads(info_path.read_text())
+        info = json.loads(info_path.read_text())
+        # the cache moves with its directory (e.g. copied to another machine)
+        return {**info, "model": str(cache / "models" / "sft")}
     t0 = time.perf_counter()
     overrides = [f"run_dir={cache / 'quickstart'}"]
     config = load_quickstart_config(None, overrides + (QUICKSTART_SMOKE_OVERRIDES if smoke

@@ -12,9 +12,14 @@ samples before the first update). Probed every `eval_every` updates: test pass@1
 invalid rate on fixed test questions with a fixed sampling seed (common random numbers);
 logged by the loop: the loss's ESS / masked / clipped fraction and log π − log μ, averaged
 over the rounds between probes. Within a seed every (method, s) run samples the same
-prompts and its first round draws the same records.
+prompts and its first round draws the same records. A method without a fixed `lr` first runs
+the config's `lr_sweep` (each rate at one s and seed) and keeps the rate with the best
+validation pass@1 after the last update. Each run is one "cell" written to OUT/cells/ as it
+finishes; `--workers N` runs N cells at once in their own processes, and `--deadline-min`
+summarises the cells finished by then (a (method, s) pair then has fewer seeds).
 
     python experiments/staleness.py --out runs/experiments/staleness [--smoke]
+        [--workers N] [--deadline-min M]
 """
 
 from __future__ import annotations
@@ -36,20 +41,21 @@ LOGGED = ("ess", "clip", "mask", "log_ratio")
 
 
 def online_config(out: Path, warm: dict[str, Any], cfg: dict[str, Any], method: str,
-                  staleness: int, seed: int, extra: dict[str, Any] | None = None) -> Any:
+                  staleness: int, seed: int, extra: dict[str, Any] | None = None, *,
+                  lr: float | None = None, name: str | None = None) -> Any:
     """The `jaxrl-llm online` config of one run (written beside its run directory)."""
     from jaxrl_llm.config import load_config
     from jaxrl_llm.online.config import OnlineConfig
 
     spec = cfg["methods"][method]
-    run_dir = out / "runs" / f"{method}-s{staleness}-seed{seed}"
+    run_dir = out / "runs" / (name or f"{method}-s{staleness}-seed{seed}")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the loop would resume
     sections = common.quickstart_sections(warm)
     extra = extra or {}
     tree = common.base_config(
         common.warm_model_section(warm), seed=seed, run_dir=str(run_dir),
         loss={"name": spec.get("loss", method), **spec.get("keys", {})},
-        optim={"learning_rate": spec["lr"], "schedule": "constant"},
+        optim={"learning_rate": spec["lr"] if lr is None else lr, "schedule": "constant"},
         train={**sections["train"], "log_every": 1, "batch_size": cfg["prompts_per_round"]
                * cfg["n"] // cfg.get("updates_per_round", 1)},
         generate={**sections["generate"], "n": cfg["n"],
@@ -64,20 +70,24 @@ def online_config(out: Path, warm: dict[str, Any], cfg: dict[str, Any], method: 
     return load_config(str(path), [], schema=OnlineConfig)
 
 
-def run_online_probed(config: Any, probe: Any, eval_every: int) -> tuple[list[dict], list[dict]]:
-    """One online run with `probe(model)` every `eval_every` updates; (probe rows with the
-    window-mean of the logged loss metrics, every round's metrics row)."""
+def run_online_probed(config: Any, probe: Any, eval_every: int,
+                      final_probe: Any = None) -> tuple[list[dict], list[dict]]:
+    """One online run with `probe(model)` every `eval_every` updates (and `final_probe(model)`,
+    as `val_*` keys, at the last update); (probe rows with the window-mean of the logged loss
+    metrics, every round's metrics row)."""
     from jaxrl_llm.online.loop import run_online
 
     rows: list[dict[str, float]] = []
+    total = config.online.rounds * config.online.updates_per_round
 
     def hook(updates: int, policy: Any) -> dict[str, float]:
         row = probe(policy.model)
+        if final_probe is not None and updates == total:
+            row = {**row, **{f"val_{k}": v for k, v in final_probe(policy.model).items()}}
         rows.append({"updates": updates, **row})
         return row
 
     result = run_online(config, progress=False, eval_hook=hook, eval_every=eval_every)
-    total = config.online.rounds * config.online.updates_per_round
     if result.updates != total or rows[-1]["updates"] != total:
         raise RuntimeError(f"{config.run_dir}: {result.updates} updates, not {total}")
     metrics = [json.loads(line) for line in
@@ -94,6 +104,93 @@ def run_online_probed(config: Any, probe: Any, eval_every: int) -> tuple[list[di
     return rows, metrics
 
 
+# ---- cells: one (method, lr, s, seed) run each, run in this process or in a worker pool ----
+
+_PROBES: dict[str, Any] = {}  # per process: the probes compile their sampler once
+
+
+def probes_for(config: Any, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """(test probe, validation probe) of this process, built on first use."""
+    if not _PROBES:
+        _PROBES["test"] = common.Probe(config, num_questions=cfg["eval_questions"], n=cfg["eval_n"])
+        sweep = cfg.get("lr_sweep") or {}
+        _PROBES["validation"] = common.Probe(
+            config, num_questions=sweep.get("val_questions", cfg["eval_questions"]),
+            n=sweep.get("val_n", cfg["eval_n"]), split="validation",
+            problem_seed=common.VALIDATION_SEED)
+    return _PROBES["test"], _PROBES["validation"]
+
+
+def cell_name(c: dict[str, Any]) -> str:
+    lr = f"-lr{c['lr']:g}" if c["sweep"] else ""
+    return f"{c['method']}{lr}-s{c['s']}-seed{c['seed']}"
+
+
+def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
+    """One run; its result is also written to OUT/cells/NAME.json (a cut pool keeps it)."""
+    out, cfg = Path(cell["out"]), cell["cfg"]
+    config = online_config(out, cell["warm"], cfg, cell["method"], cell["s"], cell["seed"],
+                           lr=cell["lr"], name=cell_name(cell))
+    test, validation = probes_for(config, cfg)
+    t0 = time.perf_counter()
+    rows, _ = run_online_probed(config, test, cfg["eval_every"],
+                                final_probe=validation if cell["sweep"] else None)
+    result = {**{k: v for k, v in cell.items() if k not in ("cfg", "warm", "out")},
+              "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    common.write_results(out / "cells", cell_name(cell), result)
+    last = rows[-1]
+    print(f"[{cell_name(cell)} lr {cell['lr']:g}] {last['updates']} updates: test pass@1 "
+          f"{last['pass_at_1']:.3f} invalid {last['invalid']:.3f} ({result['seconds']} s)",
+          flush=True)
+    return result
+
+
+def execute(cells: list[dict[str, Any]], workers: int, deadline: float) -> list[dict[str, Any]]:
+    """Run `cells` (in order) on `workers` processes until time.time() ≥ deadline; the
+    finished cells' results (a cell still running at the deadline is dropped)."""
+    if workers <= 1:
+        done = []
+        for cell in cells:
+            if time.time() >= deadline:
+                break
+            done.append(run_cell(cell))
+        return done
+    import multiprocessing
+
+    # spawn: a forked child would inherit JAX's initialised runtime and its threads
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    done = []
+    try:
+        it = pool.imap_unordered(run_cell, cells)
+        for _ in cells:
+            left = None if deadline == float("inf") else max(deadline - time.time(), 0.001)
+            done.append(it.next(timeout=left))
+    except multiprocessing.TimeoutError:
+        print(f"deadline: {len(done)} of {len(cells)} cells finished", flush=True)
+    finally:
+        pool.terminate()
+        pool.join()
+    return done
+
+
+def chosen_lrs(cfg: dict[str, Any], sweep_results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method: validation pass@1 at the last update for each swept lr, and the best one
+    (`cfg.methods[m].lr` where the config fixes it, or no sweep is configured)."""
+    out: dict[str, Any] = {}
+    for method, spec in cfg["methods"].items():
+        by_lr = {r["lr"]: r["rows"][-1] for r in sweep_results if r["method"] == method}
+        entry: dict[str, Any] = {
+            "validation_pass_at_1": {f"{lr:g}": row["val_pass_at_1"] for lr, row in by_lr.items()},
+            "test_pass_at_1": {f"{lr:g}": row["pass_at_1"] for lr, row in by_lr.items()}}
+        if "lr" in spec:
+            entry["chosen"] = spec["lr"]
+        elif len(by_lr) == len(cfg["lr_sweep"]["learning_rates"]):
+            entry["chosen"] = max(by_lr, key=lambda lr: by_lr[lr]["val_pass_at_1"])
+        out[method] = entry
+    return out
+
+
 def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from jaxrl_llm.losses.registry import LOSS_SPECS
 
@@ -101,40 +198,47 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     missing = [m for m in cfg["methods"] if cfg["methods"][m].get("loss", m) not in LOSS_SPECS]
     if missing:
         raise SystemExit(f"losses not in the registry: {missing}")
-    results: dict[str, Any] = {"config": cfg, "warm_policy": warm, "methods": {}}
-    probe = None
-    start: dict[str, float] = {}
-    runs: dict[str, dict[int, dict[str, list[dict[str, float]]]]] = {
-        m: {s: {} for s in cfg["staleness"]} for m in cfg["methods"]}
-    seconds: dict[str, dict[int, dict[str, float]]] = {
-        m: {s: {} for s in cfg["staleness"]} for m in cfg["methods"]}
+    unswept = [m for m, spec in cfg["methods"].items() if "lr" not in spec]
+    if unswept and not cfg.get("lr_sweep"):
+        raise SystemExit(f"methods {unswept} have no lr and the config has no lr_sweep")
+    workers = args.workers or cfg.get("workers", 1)
+    deadline = time.time() + (args.deadline_min * 60 if args.deadline_min else float("inf"))
+    base = {"out": str(args.out), "cfg": cfg, "warm": warm}
+    config = online_config(args.out, warm, cfg, next(iter(cfg["methods"])), 0, 0, name="start")
+    test, validation = probes_for(config, cfg)
+    mu = common.load_policy(warm["model"], config)
+    start = test(mu)
+    results: dict[str, Any] = {"config": cfg, "warm_policy": warm, "start": start,
+                               "workers": workers, "methods": {}}
+    sweep = cfg.get("lr_sweep") or {}
+    sweep_cells = [{**base, "method": m, "lr": lr, "s": sweep["staleness"],
+                    "seed": sweep["seed"], "sweep": True}
+                   for m in unswept for lr in sweep["learning_rates"]]
+    if sweep_cells:
+        results["start_validation"] = validation(mu)
+    swept = execute(sweep_cells, workers, deadline)
+    results["lr_sweep"] = chosen_lrs(cfg, swept)
+    lrs = {m: e["chosen"] for m, e in results["lr_sweep"].items() if "chosen" in e}
+    reused = {(r["method"], r["s"], r["seed"]): r for r in swept if lrs.get(r["method"]) == r["lr"]}
     # seed-major: every (method, s) cell gets its first seed before any gets its second
-    for seed in sorted({x for s in cfg["staleness"] for x in seeds_of(cfg, s)}):
-        for method in cfg["methods"]:
-            for s in cfg["staleness"]:
-                if seed not in seeds_of(cfg, s):
-                    continue
-                config = online_config(args.out, warm, cfg, method, s, seed)
-                if probe is None:
-                    probe = common.Probe(config, num_questions=cfg["eval_questions"],
-                                         n=cfg["eval_n"])
-                    start = probe(common.load_policy(warm["model"], config))
-                    results["start"] = start
-                t0 = time.perf_counter()
-                rows, _ = run_online_probed(config, probe, cfg["eval_every"])
-                seconds[method][s][str(seed)] = round(time.perf_counter() - t0, 1)
-                runs[method][s][str(seed)] = [{"updates": 0, **start}, *rows]
-                last = rows[-1]
-                print(f"[{method} s={s} seed {seed}] {last['updates']} updates: test pass@1 "
-                      f"{last['pass_at_1']:.3f} invalid {last['invalid']:.3f} "
-                      f"({seconds[method][s][str(seed)]} s)", flush=True)
-                # the finished runs so far (a cut run still leaves its measurements)
-                common.write_results(args.out, "partial", {"start": start, "runs": {
-                    m: {str(k): v for k, v in by_s.items()} for m, by_s in runs.items()}})
+    cells = [{**base, "method": m, "lr": lrs[m], "s": s, "seed": seed, "sweep": False}
+             for seed in sorted({x for s in cfg["staleness"] for x in seeds_of(cfg, s)})
+             for m in cfg["methods"] if m in lrs for s in cfg["staleness"]
+             if seed in seeds_of(cfg, s) and (m, s, seed) not in reused]
+    finished = [*reused.values(), *execute(cells, workers, deadline)]
     for method in cfg["methods"]:
-        results["methods"][method] = {
-            str(s): summarise(runs[method][s], seconds[method][s], s, cfg["updates"])
-            for s in cfg["staleness"]}
+        by_s: dict[str, Any] = {}
+        for s in cfg["staleness"]:
+            mine = sorted((r for r in finished if r["method"] == method and r["s"] == s),
+                          key=lambda r: r["seed"])
+            if mine:  # a cell cut by the deadline leaves its (method, s) with fewer seeds
+                by_s[str(s)] = summarise(
+                    {str(r["seed"]): [{"updates": 0, **start}, *r["rows"]] for r in mine},
+                    {str(r["seed"]): r["seconds"] for r in mine}, s, cfg["updates"])
+                by_s[str(s)]["lr"] = lrs[method]
+        results["methods"][method] = by_s
+    results["cells"] = {"planned": len(sweep_cells) + len(cells),
+                        "finished": len(swept) + len(finished) - len(reused)}
     return results
 
 
@@ -182,22 +286,24 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     for i, method in enumerate(methods):  # final pass@1 vs s
         entry = results["methods"][method]
-        m = [entry[str(s)]["final_pass_at_1"]["mean"] for s in stal]
-        se = [entry[str(s)]["final_pass_at_1"]["se"] for s in stal]
-        axes[0].errorbar(range(len(stal)), m, yerr=se, marker="o", capsize=3, color=f"C{i}",
-                         label=method)
+        xs = [j for j, s in enumerate(stal) if str(s) in entry]  # a cut run may lack some s
+        m = [entry[str(stal[j])]["final_pass_at_1"]["mean"] for j in xs]
+        se = [entry[str(stal[j])]["final_pass_at_1"]["se"] for j in xs]
+        axes[0].errorbar(xs, m, yerr=se, marker="o", capsize=3, color=f"C{i}", label=method)
     axes[0].axhline(results["start"]["pass_at_1"], color="k", ls="--", label="μ (start)")
     axes[0].set(xticks=range(len(stal)), xticklabels=[str(s) for s in stal], xlabel="staleness s",
                 ylabel="test pass@1 after the last update", title="final pass@1 (mean ± SE)")
     for ax, s in zip(axes[1:3], (stal[0], stal[-1]), strict=True):  # curves at s_min, s_max
         for i, method in enumerate(methods):
+            if str(s) not in results["methods"][method]:
+                continue
             e = results["methods"][method][str(s)]
             m, se = np.array(e["pass_at_1"]["mean"]), np.array(e["pass_at_1"]["se"])
             ax.plot(e["updates"], m, marker=".", color=f"C{i}", label=method)
             ax.fill_between(e["updates"], m - se, m + se, color=f"C{i}", alpha=0.2)
         ax.set(xlabel="update", ylabel="test pass@1", title=f"s = {s}")
     for i, method in enumerate(methods):  # masked/clipped fraction at s_max
-        e = results["methods"][method][str(stal[-1])]
+        e = results["methods"][method].get(str(stal[-1]), {})
         key = FRACTIONS.get(method)
         if key in e:
             axes[3].plot(e["updates"][1:], e[key]["mean"], marker=".", color=f"C{i}",
@@ -214,9 +320,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def options(parser: Any) -> None:
+    parser.add_argument("--workers", type=int, default=None,
+                        help="runs in parallel, one process each (default: the config's "
+                             "`workers`, else 1)")
+    parser.add_argument("--deadline-min", type=float, default=None,
+                        help="stop after this many minutes and summarise the finished runs")
+
+
 def main() -> None:
     common.run_experiment(__doc__, "staleness", CONFIG, run, plot,
-                          cache_name="warm_policy_quickstart")
+                          cache_name="warm_policy_quickstart", extra=options)
 
 
 if __name__ == "__main__":

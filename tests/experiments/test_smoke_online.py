@@ -34,14 +34,27 @@ def test_staleness_smoke(tmp_path):
             assert entry["pass_at_1"]["mean"][0] == results["start"]["pass_at_1"]
             assert entry["updates_on_initial_policy_samples"] == min(int(s) + 1, cfg["updates"])
             assert 0.0 <= entry["final_pass_at_1"]["mean"] <= 1.0
-            for key in ("loss/ess_fraction", "loss/clip_frac_neg_high"):
+            keys = {"topr": ("loss/ess_fraction", "loss/clip_frac_neg_high"),
+                    "m2po": ("loss/masked_frac",)}[method]
+            for key in keys:
                 assert len(entry[key]["mean"]) == len(probes) - 1, (method, s, key)
                 assert all(0.0 <= v <= 1.0 + 1e-6 for v in entry[key]["mean"]), (method, s, key)
+            assert entry["lr"] == results["lr_sweep"][method]["chosen"]
         # on-policy (s = 0, one update per round): π = μ at every update; stale: not after θ0
         on, stale = by_s["0"]["loss/log_ratio_max"]["mean"], by_s[str(max(cfg["staleness"]))]
         assert all(abs(v) < 1e-4 for v in on), on
-        assert abs(stale["loss/log_ratio_max"]["mean"][-1]) > 1e-4  # max of log π − log μ: ±
-    assert (out / "partial.json").exists()
+        if method == "topr":  # (GRPO-advantage losses do not move on a group of equal rewards)
+            assert abs(stale["loss/log_ratio_max"]["mean"][-1]) > 1e-4  # max log π − log μ: ±
+    # the lr sweep: m2po (no fixed lr) ran every rate at s = 0 and took the best on validation
+    sweep = results["lr_sweep"]["m2po"]
+    rates = [f"{lr:g}" for lr in cfg["lr_sweep"]["learning_rates"]]
+    assert sorted(sweep["validation_pass_at_1"]) == sorted(rates)
+    best = max(sweep["validation_pass_at_1"].values())
+    assert sweep["validation_pass_at_1"][f"{sweep['chosen']:g}"] == best
+    assert results["lr_sweep"]["topr"]["chosen"] == cfg["methods"]["topr"]["lr"]  # fixed: not swept
+    cells = sorted(p.stem for p in (out / "cells").glob("*.json"))
+    assert len(cells) == results["cells"]["finished"] == results["cells"]["planned"]
+    assert len(cells) == len(rates) + len(cfg["staleness"]) * 2 - 1  # the sweep's best run reused
 
 
 @pytest.mark.slow
