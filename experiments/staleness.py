@@ -194,7 +194,17 @@ def chosen_lrs(cfg: dict[str, Any], sweep_results: list[dict[str, Any]]) -> dict
 def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from jaxrl_llm.losses.registry import LOSS_SPECS
 
+    if args.merge:
+        return merge(args.merge, cfg)
+
     warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
+    cfg = {**cfg, "methods": {m: {**spec, **({"lr": float(dict(x.split("=") for x in args.lr)[m])}
+                                          if m in dict(x.split("=") for x in args.lr) else {})}
+                              for m, spec in cfg["methods"].items()
+                              if args.methods is None or m in args.methods},
+           "staleness": [s for s in cfg["staleness"] if args.staleness is None
+                         or s in args.staleness],
+           "seeds": [x for x in cfg["seeds"] if args.seeds is None or x in args.seeds]}
     missing = [m for m in cfg["methods"] if cfg["methods"][m].get("loss", m) not in LOSS_SPECS]
     if missing:
         raise SystemExit(f"losses not in the registry: {missing}")
@@ -204,7 +214,8 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     workers = args.workers or cfg.get("workers", 1)
     deadline = time.time() + (args.deadline_min * 60 if args.deadline_min else float("inf"))
     base = {"out": str(args.out), "cfg": cfg, "warm": warm}
-    config = online_config(args.out, warm, cfg, next(iter(cfg["methods"])), 0, 0, name="start")
+    config = online_config(args.out, warm, cfg, next(iter(cfg["methods"])), 0, 0, lr=1e-4,
+                           name="start")  # for the probes only: its lr is never used
     test, validation = probes_for(config, cfg)
     mu = common.load_policy(warm["model"], config)
     start = test(mu)
@@ -225,21 +236,57 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
              for seed in sorted({x for s in cfg["staleness"] for x in seeds_of(cfg, s)})
              for m in cfg["methods"] if m in lrs for s in cfg["staleness"]
              if seed in seeds_of(cfg, s) and (m, s, seed) not in reused]
+    planned = len(sweep_cells) + len(cells)
     finished = [*reused.values(), *execute(cells, workers, deadline)]
+    results["methods"] = summarise_cells(cfg, finished, start)
+    results["cells"] = {"planned": planned, "finished": len(swept) + len(finished) - len(reused)}
+    return results
+
+
+def summarise_cells(cfg: dict[str, Any], finished: list[dict[str, Any]],
+                    start: dict[str, float]) -> dict[str, Any]:
+    """method → s → `summarise` of its finished seeds (a (method, s) pair cut by a deadline
+    has fewer seeds; one with none is absent)."""
+    out: dict[str, Any] = {}
     for method in cfg["methods"]:
         by_s: dict[str, Any] = {}
         for s in cfg["staleness"]:
             mine = sorted((r for r in finished if r["method"] == method and r["s"] == s),
                           key=lambda r: r["seed"])
-            if mine:  # a cell cut by the deadline leaves its (method, s) with fewer seeds
+            if mine:
                 by_s[str(s)] = summarise(
                     {str(r["seed"]): [{"updates": 0, **start}, *r["rows"]] for r in mine},
                     {str(r["seed"]): r["seconds"] for r in mine}, s, cfg["updates"])
-                by_s[str(s)]["lr"] = lrs[method]
-        results["methods"][method] = by_s
-    results["cells"] = {"planned": len(sweep_cells) + len(cells),
-                        "finished": len(swept) + len(finished) - len(reused)}
-    return results
+                by_s[str(s)]["lr"] = mine[0]["lr"]
+        out[method] = by_s
+    return out
+
+
+def merge(dirs: list[Path], cfg: dict[str, Any]) -> dict[str, Any]:
+    """One summary of the runs in earlier outputs' results.json. Refuses outputs whose start
+    (μ probed on the same draws) differs: they ran with other numerics (device) or questions."""
+    parts = [json.loads((d / "results.json").read_text()) for d in dirs]
+    start = parts[0]["start"]
+    for d, part in zip(dirs, parts, strict=True):
+        if part["start"] != start:
+            raise SystemExit(f"{d}/results.json: start {part['start']} differs from "
+                             f"{dirs[0]}/results.json's {start}: not the same probe or device")
+    finished = {}
+    for part in parts:
+        for method, by_s in part["methods"].items():
+            for s, entry in by_s.items():
+                for seed, rows in entry["runs"].items():  # rows[0] is the start
+                    finished[(method, int(s), int(seed))] = {
+                        "method": method, "s": int(s), "seed": int(seed), "lr": entry["lr"],
+                        "rows": rows[1:], "seconds": entry["seconds"][seed]}
+    sweeps = [p["lr_sweep"] for p in parts if p.get("start_validation")]
+    merged = {**parts[0], "config": cfg, "merged_from": [str(d) for d in dirs],
+              "lr_sweep": sweeps[0] if sweeps else parts[0].get("lr_sweep"),
+              "start_validation": next((p["start_validation"] for p in parts
+                                        if p.get("start_validation")), None)}
+    merged["methods"] = summarise_cells(cfg, list(finished.values()), start)
+    merged["cells"] = {"runs": len(finished)}
+    return merged
 
 
 def seeds_of(cfg: dict[str, Any], s: int) -> list[int]:
@@ -326,6 +373,14 @@ def options(parser: Any) -> None:
                              "`workers`, else 1)")
     parser.add_argument("--deadline-min", type=float, default=None,
                         help="stop after this many minutes and summarise the finished runs")
+    parser.add_argument("--methods", nargs="+", default=None, help="a subset of the methods")
+    parser.add_argument("--staleness", nargs="+", type=int, default=None, help="a subset of s")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="a subset of seeds")
+    parser.add_argument("--lr", nargs="+", default=[], metavar="METHOD=LR",
+                        help="fix a method's lr (no sweep for it)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=[], metavar="DIR",
+                        help="run nothing: summarise the runs of earlier outputs' results.json "
+                             "(e.g. invocations with different --methods/--seeds) into OUT")
 
 
 def main() -> None:
