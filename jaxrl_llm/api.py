@@ -190,7 +190,7 @@ class Policy:
         tokens (padding rows masked), sharded over the mesh's batch axes."""
         from jaxrl_llm.data.collate import collate, record_row
         from jaxrl_llm.losses.registry import loss_spec
-        from jaxrl_llm.parallel.distributed import global_batch
+        from jaxrl_llm.parallel.distributed import global_batch, global_batch_from_whole
 
         t = self.config.train
         if len(records) > t.batch_size:
@@ -203,7 +203,10 @@ class Policy:
         if longest > t.max_seq_len:
             raise ConfigError(f"a record of {longest + 1} tokens (prompt + completion) needs "
                               f"train.max_seq_len >= {longest} (it is {t.max_seq_len})")
-        return global_batch(collate(rows, t.batch_size, (t.max_seq_len,)), self.mesh)
+        whole = collate(rows, t.batch_size, (t.max_seq_len,))
+        if jax.process_count() > 1:  # every process holds these records (multi-host online)
+            return global_batch_from_whole(whole, self.mesh)
+        return global_batch(whole, self.mesh)
 
     def _score_fn(self, temperature: float) -> Any:
         if temperature not in self._score_fns:
@@ -229,12 +232,12 @@ class Policy:
         """Per-completion token log-probs under the current weights with the train step's
         numerics (its `forward` and chunked log-prob kernel) at `temperature` (default: the
         loss's, `train.loss_fn.temperature`). At most `train.batch_size` records per call."""
+        from jaxrl_llm.parallel.distributed import host_array
         from jaxrl_llm.train.loss_fn import temperature as loss_temperature
 
         t = loss_temperature(self.config) if temperature is None else float(temperature)
         batch = self.batch(records, require_mu=False)
-        logp = np.asarray(jax.device_get(
-            self._score_fn(t)(self.state.params, self.state.model_state, batch)))
+        logp = host_array(self._score_fn(t)(self.state.params, self.state.model_state, batch))
         out = []
         for i, r in enumerate(records):
             start = r.prompt_ids.size - 1

@@ -28,7 +28,7 @@ COMMANDS: dict[str, str] = {
     "export": "write a training checkpoint as an HF directory (atomic)",
     "evaluate": "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json",
     "iterate": "generate → score → curate → train → export → evaluate, per iteration",
-    "online": "sample → reward → update in one process, with a staleness knob; resumes",
+    "online": "sample → reward → update in one program, with a staleness knob; resumes",
     "quickstart": "the whole flow on CPU in minutes: SFT, TOPR, before/after table",
     "vllm": "vLLM: install (GPU or CPU build) | check | host (the sampler of an iterate run)",
 }

@@ -1,7 +1,8 @@
-"""`jaxrl-llm online --config X`: sample → reward → group transform → update in one process,
-the sampler and the trainer sharing the policy's weights, with `online.staleness` updates
-between sampling a batch and training on it (`online.loop.run_online`, docs/online.md).
-Re-running the same command resumes from the run's last checkpoint."""
+"""`jaxrl-llm online --config X`: sample → reward → group transform → update in one program
+(one process per host when multi-host: docs/online.md § Multi-host), the sampler and the
+trainer sharing the policy's weights, with `online.staleness` updates between sampling a
+batch and training on it (`online.loop.run_online`, docs/online.md). Re-running the same
+command resumes from the run's last checkpoint."""
 
 from __future__ import annotations
 

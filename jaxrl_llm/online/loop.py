@@ -16,6 +16,10 @@ Round i (0-based) of `online.rounds + ⌈staleness / updates_per_round⌉`:
    train state (params, optimizer, step, RNG) plus, in its JSON meta, the queue, the round
    and the prompt position. A killed run re-run with the same command resumes from it and
    ends in the same state as an uninterrupted one (sampling seeds derive from the round).
+
+Multi-host (docs/online.md § Multi-host): every process runs this loop on the same prompts
+with the same seeds over one global mesh; process 0's rewards are broadcast (`shared_rewards`)
+and process 0 alone writes metrics and the checkpoint's JSON meta (Orbax's JSON handler).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
 from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.data.records import Record
 from jaxrl_llm.losses.registry import loss_spec
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.queue import StalenessQueue
@@ -59,9 +65,6 @@ def check_config(config: OnlineConfig) -> None:
     """Refuse what the loop cannot do, naming the key."""
     o, g, t = config.online, config.generate, config.train
     spec = loss_spec(config.loss.name)
-    if jax.process_count() > 1:
-        raise ConfigError("online runs in one process (on any number of its devices: the "
-                          "mesh: section); a multi-host online run is not implemented")
     records = o.prompts_per_round * g.n
     if records != o.updates_per_round * t.batch_size:
         raise ConfigError(
@@ -156,6 +159,25 @@ def _mu(policy: Policy, config: OnlineConfig, run: _Run, records: list[Any]
     return [r.replace(mu_logprobs=r.raw_logprobs) for r in records], metrics
 
 
+def shared_rewards(records: list[Record]) -> list[Record]:
+    """`records` with process 0's reward, raw_reward, correct and invalid (multi-host: every
+    process holds the same completions). Broadcast, not recomputed everywhere: a verifier
+    with a wall-clock timeout (tasks/math_task.py) may score one completion differently on
+    two busy hosts, and the hosts' batches would then disagree."""
+    if jax.process_count() == 1:
+        return records
+    from jax.experimental import multihost_utils
+
+    table = np.asarray([[r.reward, np.nan if r.raw_reward is None else r.raw_reward,
+                         r.correct, r.invalid] for r in records], np.float64)
+    # float64 as uint32 pairs: jax (x64 off) would round floats to float32 on the way.
+    table = np.asarray(multihost_utils.broadcast_one_to_all(table.view(np.uint32)),
+                       np.uint32).view(np.float64)
+    return [r.replace(reward=float(a), raw_reward=None if np.isnan(b) else float(b),
+                      correct=bool(c), invalid=bool(i))
+            for r, (a, b, c, i) in zip(records, table, strict=True)]
+
+
 EvalHook = Callable[[int, Policy], dict[str, float]]
 
 
@@ -199,6 +221,7 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
                                                         len(problems))]
             records = policy.rollout(picked, n=g.n, seed=sampling_seed(config.seed, run.round),
                                      group_offset=run.round * o.prompts_per_round)
+            records = shared_rewards(records)
             t1 = time.perf_counter()
             metrics = reward_metrics(records, g.n, o.pass_k)
             records, mismatch = _mu(policy, config, run, records)

@@ -141,6 +141,31 @@ def global_batch(local_batch: Any, mesh: Mesh) -> Any:
     return local_batch.replace(**out)
 
 
+def global_batch_from_whole(batch: Any, mesh: Mesh) -> Any:
+    """A global, sharded `Batch` from the whole batch, held identically by every process (the
+    online loop: every process samples the same records). Each device takes its own slice
+    (`jax.make_array_from_callback`), so no assumption about which rows a process owns."""
+    shardings = batch_shardings(batch, mesh)
+    out = {}
+    for name in batch.__dataclass_fields__:
+        value = np.asarray(getattr(batch, name))
+        out[name] = jax.make_array_from_callback(value.shape, getattr(shardings, name),
+                                                 lambda index, value=value: value[index])
+    return batch.replace(**out)
+
+
+def host_array(value: Any) -> np.ndarray:
+    """`value` whole on this host. A global array split over other processes' devices is
+    gathered (`process_allgather`: a collective, so every process must call this at the same
+    point); anything else, replicated arrays included, is read directly."""
+    if (isinstance(value, jax.Array) and not value.is_fully_addressable
+            and not value.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
+
+
 def _global_shape(name: str, shape: tuple[int, ...], count: int) -> tuple[int, ...]:
     if name == "pair_index" or not shape:
         return tuple(shape)

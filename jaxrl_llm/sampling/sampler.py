@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxrl_llm.parallel.distributed import host_array
 from jaxrl_llm.sampling.decode_program import (  # noqa: F401 (process_logits re-exported)
     Program,
     decode_segment,
@@ -229,7 +230,7 @@ class Sampler:
                 carry = grow_cache(carry, cache_len=prompt_width + window_end)
             until = min(step + segment, window_end)
             carry = run_segment(carry, jnp.int32(until))
-            stopped = np.asarray(carry["loop"]["stopped"])
+            stopped = host_array(carry["loop"]["stopped"])
             done = int(carry["loop"]["step"]) - step
             self.rows_decoded += len(current) * done
             self.slots_attended += len(current) * done * (prompt_width + window_end)
@@ -253,7 +254,7 @@ class Sampler:
         buffers = dict(carry["out"], lengths=carry["loop"]["lengths"],
                        stopped=carry["loop"]["stopped"])
         for name, value in buffers.items():
-            value = np.asarray(value)
+            value = host_array(value)
             if name not in host:  # the first call sees every row (nothing selected yet)
                 host[name] = np.zeros_like(value)
             host[name][current] = value

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,7 @@ TINY = {
 }
 
 
-def tiny(run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+def tiny(run_dir: Path | str, **sections: dict[str, Any]) -> dict[str, Any]:
     tree = json.loads(json.dumps(TINY))
     tree["run_dir"] = str(run_dir)
     for name, values in sections.items():
@@ -51,3 +56,31 @@ def final_arrays(run_dir: Path, step: int | None = None) -> tuple[int, dict[str,
         restored = ckpt.restore(None, step=step)
     flat = jax.tree_util.tree_leaves_with_path(restored.state)
     return restored.step, {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat}
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch_two_processes(argv: Sequence[str], *, local_devices: int = 4,
+                         timeout: float = 600) -> list[str]:
+    """Run `python ARGV` as process 0 and 1 of a localhost JAX job (the JAXRL_* variables
+    `parallel.distributed.initialize` reads; `local_devices` CPU devices each, the parent's
+    other XLA flags kept so both sides compile alike); each process's output. Asserts that
+    both exit 0."""
+    from tests.parallel.helpers import free_port
+
+    port = free_port()
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={local_devices}",
+                   JAXRL_COORDINATOR=f"127.0.0.1:{port}", JAXRL_NUM_PROCESSES="2",
+                   JAXRL_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return outputs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,13 @@ from jaxrl_llm.data.batch import Batch
 
 B, T, V = 8, 12, 64
 PROMPT = 4
+
+
+def free_port() -> int:
+    """A free localhost port for a test job's coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_batch(seed: int = 0, batch: int = B) -> Batch:

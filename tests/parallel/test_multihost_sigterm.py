@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from jaxrl_llm.data.shards import write_records
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer, restore_model
 from jaxrl_llm.train.trainer import EXIT_PREEMPTED
 
+from .helpers import free_port
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("sigterm_worker.py")
@@ -31,12 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 KILL_AFTER = 3  # SIGTERM process 1 once it has finished this step
 DELAY = 0.1  # seconds per step, so the agreed stop step comes before STEPS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _records(path: Path) -> Path:
@@ -73,7 +68,7 @@ def _config(tmp: Path, run_dir: Path, records: Path) -> Path:
 
 
 def _launch(config: Path, tmp: Path, tag: str) -> list[tuple[subprocess.Popen, Path]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for i in range(2):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -4,7 +4,6 @@ global mesh spanning both and match the single-process 8-device result."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from .helpers import free_port
 from .test_sharded_step import run_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -21,14 +21,8 @@ WORKER = Path(__file__).with_name("mp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_single_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
     procs = [
