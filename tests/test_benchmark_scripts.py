@@ -60,6 +60,7 @@ def test_generate_refuses_eos_with_random_weights(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--eos" in out.stderr and "random" in out.stderr
 
 
+@pytest.mark.slow
 def test_online_vs_iterate_smoke_times_both_commands(tmp_path: Path) -> None:
     out = _run(tmp_path, str(ROOT / "benchmarks" / "online_vs_iterate.py"), "--smoke",
                "--out", "ovi.json")

@@ -125,6 +125,7 @@ def test_fault_sweep(name, signame, fault_root, env, tmp_path):
     assert not messages, "\n".join(messages)
 
 
+@pytest.mark.slow
 @pytest.mark.reliability
 def test_fault_smoke_sigkill_mid_step(fault_root, env, tmp_path):
     """The fast subset: one SIGKILL mid-step of `jaxrl-llm train`, resumed bit-exactly."""

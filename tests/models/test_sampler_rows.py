@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrl_llm.models.config import DecoderConfig
@@ -87,6 +88,7 @@ def test_window_ends_split_the_decode_steps_in_parts_of_at_least_32():
         assert len(ends) == 1 or (spans.min() >= 32 and spans.max() - spans.min() <= 1)
 
 
+@pytest.mark.slow
 def test_the_cache_grows_by_windows_and_the_samples_do_not_change():
     model = _spread(RecordingDecoder(CONFIG, rngs=nnx.Rngs(2)))
     prompts = [[int(t) for t in np.random.RandomState(10 + i).randint(1, VOCAB, 2 + i % 5)]

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = textwrap.dedent("""
@@ -38,6 +40,7 @@ def doc_example() -> str:
     return blocks[0]
 
 
+@pytest.mark.slow
 def test_doc_loop_runs(tmp_path: Path) -> None:
     code = doc_example()
     assert 20 <= len(code.strip().splitlines()) <= 40  # "a loop in ~30 lines"

@@ -7,6 +7,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl_llm.config import load_config
 from jaxrl_llm.iterate import IterateConfig, experiment_part, run_iterations
@@ -49,6 +50,7 @@ def saved_state(config: IterateConfig, train_dir, records=None, **kwargs):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_iteration_two_continues_iteration_one_optimizer(tmp_path):
     config = tiny_iterate_config(tmp_path / "it")
     _, results = run_iterations(config, progress=False)

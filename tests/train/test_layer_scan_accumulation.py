@@ -84,6 +84,7 @@ def test_in_scan_accumulation_equals_plain_scan_and_one_big_batch(loss):
     assert temp_in <= temp_plain - layer_bytes // 2, (temp_in, temp_plain, layer_bytes)
 
 
+@pytest.mark.slow
 def test_in_scan_accumulation_on_an_fsdp_mesh_with_bf16_compute():
     plain, _, _ = _grads("topr", fsdp=4, in_scan=False, micro=4, dtype="bfloat16")
     in_scan, _, _ = _grads("topr", fsdp=4, in_scan=True, micro=4, dtype="bfloat16")

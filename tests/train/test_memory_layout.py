@@ -211,6 +211,7 @@ def _train_run(tmp_path, *overrides: str) -> list[dict]:
     return [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_train_command_with_fsdp_chunk_gather_and_bf16_moment(tmp_path):
     """`jaxrl-llm train` on a scanned bf16 model with fp32 masters, FSDP over the 8 test
     devices (the unembedding gathered chunk by chunk) and `optim.mu_dtype=bfloat16` trains:

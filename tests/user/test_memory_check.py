@@ -40,6 +40,7 @@ def _model(cwd: Path, *overrides: str) -> dict:
     return yaml.safe_load(done.stdout)["model"]
 
 
+@pytest.mark.slow
 def test_pretrained_sources_default_to_scanned_rematerialised_layers(cwd: Path) -> None:
     assert {k: _model(cwd, "model.source=smollm2")[k] for k in ("remat", "scan_layers")} == {
         "remat": "full", "scan_layers": True}
@@ -83,6 +84,7 @@ def test_train_that_cannot_fit_is_refused_before_step_1_with_figure_and_fix(cwd:
     assert "available host memory" in line and _gib(line, "needs") == pytest.approx(peak, abs=0.006)
 
 
+@pytest.mark.slow
 def test_score_and_evaluate_that_cannot_fit_are_refused_naming_the_key(cwd: Path) -> None:
     score = jaxrl(cwd, "score", "--config", "c.yaml", JAXRL_MEMORY_LIMIT_GIB="0.2")
     assert score.returncode == 2 and "generate.score_batch_size" in score.stderr, score.stderr

@@ -11,6 +11,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.faults.harness import command
 from tests.user.cli import jaxrl, user_env
 
@@ -24,6 +26,7 @@ def _lines(text: str, stage: str) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in re.findall(rf"^{stage}[^:\n]*: (\d+)/(\d+) ", text, re.M)]
 
 
+@pytest.mark.slow
 def test_every_stage_prints_progress_lines_in_a_log(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text(CONFIG)
     env = {"JAXRL_PROGRESS_INTERVAL_S": "0"}

@@ -65,6 +65,7 @@ def _reference(records) -> dict[str, float]:
             "completion_length": count / len(records)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss,with_ref", [("topr", False), ("off_rl_kl", True)])
 def test_metrics_rows_carry_what_trl_users_read(tmp_path: Path, loss: str, with_ref: bool) -> None:
     from jaxrl_llm.data.shards import write_records
@@ -85,6 +86,7 @@ def test_metrics_rows_carry_what_trl_users_read(tmp_path: Path, loss: str, with_
     assert row["throughput/tokens_per_s"] > 0  # the last (here: only) row was 0 before
 
 
+@pytest.mark.slow
 def test_eval_every_from_the_cli_logs_and_plots_held_out_pass_at_1(tmp_path: Path) -> None:
     from jaxrl_llm.data.shards import write_records
 
