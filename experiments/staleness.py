@@ -219,8 +219,11 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     test, validation = probes_for(config, cfg)
     mu = common.load_policy(warm["model"], config)
     start = test(mu)
+    import jax
+
     results: dict[str, Any] = {"config": cfg, "warm_policy": warm, "start": start,
-                               "workers": workers, "methods": {}}
+                               "workers": workers, "device": jax.devices()[0].device_kind,
+                               "methods": {}}
     sweep = cfg.get("lr_sweep") or {}
     sweep_cells = [{**base, "method": m, "lr": lr, "s": sweep["staleness"],
                     "seed": sweep["seed"], "sweep": True}
@@ -271,7 +274,7 @@ def merge(dirs: list[Path], cfg: dict[str, Any]) -> dict[str, Any]:
         if part["start"] != start:
             raise SystemExit(f"{d}/results.json: start {part['start']} differs from "
                              f"{dirs[0]}/results.json's {start}: not the same probe or device")
-    finished = {}
+    finished, devices = {}, {}
     for part in parts:
         for method, by_s in part["methods"].items():
             for s, entry in by_s.items():
@@ -279,6 +282,7 @@ def merge(dirs: list[Path], cfg: dict[str, Any]) -> dict[str, Any]:
                     finished[(method, int(s), int(seed))] = {
                         "method": method, "s": int(s), "seed": int(seed), "lr": entry["lr"],
                         "rows": rows[1:], "seconds": entry["seconds"][seed]}
+                    devices[f"{method}-s{s}-seed{seed}"] = part.get("device", "not recorded")
     sweeps = [p["lr_sweep"] for p in parts if p.get("start_validation")]
     merged = {**parts[0], "config": cfg, "merged_from": [str(d) for d in dirs],
               "lr_sweep": sweeps[0] if sweeps else parts[0].get("lr_sweep"),
@@ -286,6 +290,7 @@ def merge(dirs: list[Path], cfg: dict[str, Any]) -> dict[str, Any]:
                                         if p.get("start_validation")), None)}
     merged["methods"] = summarise_cells(cfg, list(finished.values()), start)
     merged["cells"] = {"runs": len(finished)}
+    merged["device"] = devices  # run → the device it ran on
     return merged
 
 
