@@ -123,12 +123,14 @@ def quickstart_sections(warm: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {key: dict(value) for key, value in warm["sections"].items()}
 
 
-def warm_policy_quickstart(cache: Path, *, smoke: bool = False) -> dict[str, Any]:
+def warm_policy_quickstart(cache: Path, *, smoke: bool = False,
+                           smoke_overrides: list[str] | None = None) -> dict[str, Any]:
     """The quickstart's SFT-warmed policy as an HF directory `cache/models/sft` (built once):
     `quickstart.build_tokenizer` → `quickstart.sft_warm_start` (the quickstart's own stage,
     stopping at its pass@1 target) → `export.atomic_save` with the tokenizer; then pass@1 ± SE
     on a validation split and on test. Returns `cache/warm.json`'s content, whose `sections`
-    are the config sections experiments on this policy use (`quickstart_sections`)."""
+    are the config sections experiments on this policy use (`quickstart_sections`).
+    `smoke_overrides` replace `QUICKSTART_SMOKE_OVERRIDES` (a smoke policy that answers)."""
     from jaxrl_llm.eval.evaluate import evaluate_model
     from jaxrl_llm.export import atomic_save
     from jaxrl_llm.generate.loading import task_from_config
@@ -147,8 +149,8 @@ def warm_policy_quickstart(cache: Path, *, smoke: bool = False) -> dict[str, Any
         return {**info, "model": str(cache / "models" / "sft")}
     t0 = time.perf_counter()
     overrides = [f"run_dir={cache / 'quickstart'}"]
-    config = load_quickstart_config(None, overrides + (QUICKSTART_SMOKE_OVERRIDES if smoke
-                                                       else []))
+    smoke_sft = smoke_overrides or QUICKSTART_SMOKE_OVERRIDES
+    config = load_quickstart_config(None, overrides + (smoke_sft if smoke else []))
     task = task_from_config(config)
     run_dir = cache / "quickstart"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +177,7 @@ def warm_policy_quickstart(cache: Path, *, smoke: bool = False) -> dict[str, Any
     info = {"model": str(model_dir), "testbed": "quickstart", "smoke": smoke,
             "num_params": int(sum(np.size(x) for x in _leaves(model))),
             "sft_steps": int(sft["steps"]), "sft_overrides": overrides[1:] + (
-                QUICKSTART_SMOKE_OVERRIDES if smoke else []),
+                smoke_sft if smoke else []),
             "pass_at_1": splits["test"]["pass_at_1"],
             "pass_at_1_se": splits["test"]["pass_at_1_se"],
             "invalid": splits["test"]["invalid"], "splits": splits,
@@ -346,7 +348,10 @@ def parse_args(description: str, default_out: str,
     args = parser.parse_args()
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    default_cache = args.out.parent / (f"{cache_name}_smoke" if args.smoke else cache_name)
+    smoke_name = f"{cache_name}_smoke"
+    if getattr(args, "testbed", "char") == "quickstart":  # experiments/testbed.py
+        cache_name, smoke_name = "warm_policy_quickstart", "warm_policy_quickstart_smoke_sft"
+    default_cache = args.out.parent / (smoke_name if args.smoke else cache_name)
     args.cache = Path(args.cache).resolve() if args.cache else default_cache
     return args
 
@@ -355,12 +360,19 @@ def run_experiment(doc: str, name: str, config: Path,
                    run: Callable[[Any, dict[str, Any]], dict[str, Any]],
                    plot: Callable[[dict[str, Any], Path], None], *,
                    cache_name: str = "warm_policy",
-                   extra: Callable[[Any], None] | None = None) -> None:
+                   extra: Callable[[Any], None] | None = None, testbeds: bool = False) -> None:
     """The `main()` of an experiment script: parse `--out/--smoke`, run the config's `full` or
-    `smoke` section, record wall and CPU seconds, write `results.json` and `NAME.png`."""
-    args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}", extra=extra,
-                      cache_name=cache_name)
-    cfg = yaml.safe_load(config.read_text())["smoke" if args.smoke else "full"]
+    `smoke` section, record wall and CPU seconds, write `results.json` and `NAME.png`.
+    `testbeds`: `--testbed quickstart` runs `full_quickstart` / `smoke_quickstart` and writes
+    `NAME_quickstart.png` (experiments/testbed.py; `--seeds` cuts the section's seeds)."""
+    from experiments import testbed
+
+    args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}",
+                      extra=testbed.add_args if testbeds else extra, cache_name=cache_name)
+    cfg = yaml.safe_load(config.read_text())[testbed.section(args)]
+    if getattr(args, "seeds", None):
+        cfg["seeds"] = [s for s in cfg["seeds"] if s in args.seeds]
+        cfg["select_seeds"] = [s for s in cfg.get("select_seeds", []) if s in args.seeds]
     t0 = time.perf_counter()
     results = run(args, cfg)
     results["seconds"] = round(time.perf_counter() - t0, 1)
@@ -368,8 +380,10 @@ def run_experiment(doc: str, name: str, config: Path,
     # an idle machine's time; CPU seconds / 2 bounds the 2-core wall time from below.
     results["cpu_seconds"] = round(time.process_time(), 1)
     write_results(args.out, "results", results)
-    plot(results, args.out / f"{name}.png")
-    print(f"wrote {args.out / 'results.json'} and {name}.png in {results['seconds']} s")
+    png = f"{name}_quickstart.png" if getattr(args, "testbed", "char") == "quickstart" \
+        else f"{name}.png"
+    plot(results, args.out / png)
+    print(f"wrote {args.out / 'results.json'} and {png} in {results['seconds']} s")
 
 
 class PassAtKProbe(Probe):

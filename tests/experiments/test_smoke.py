@@ -18,11 +18,12 @@ import yaml
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
-def run_smoke(script: str, cwd: Path) -> Path:
+def run_smoke(script: str, cwd: Path, *extra: str) -> Path:
     out = cwd / "out" / Path(script).stem
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a user's machine
-    proc = subprocess.run([sys.executable, str(EXPERIMENTS / script), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / script), "--smoke", "--out", str(out),
+                           *extra],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{script}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out
@@ -36,8 +37,8 @@ def numbers(obj) -> list[float]:
     return [float(obj)] if isinstance(obj, int | float) and not isinstance(obj, bool) else []
 
 
-def smoke_config(name: str) -> dict:
-    return yaml.safe_load((EXPERIMENTS / f"{name}.yaml").read_text())["smoke"]
+def smoke_config(name: str, section: str = "smoke") -> dict:
+    return yaml.safe_load((EXPERIMENTS / f"{name}.yaml").read_text())[section]
 
 
 def test_pkpo_variance_smoke(tmp_path):

@@ -14,9 +14,42 @@ import pytest
 
 from tests.experiments.test_smoke import numbers, run_smoke, smoke_config
 
+TESTBEDS = ["char", "quickstart"]  # experiments/testbed.py
 
-def read(out, name: str) -> dict:
-    assert (out / f"{name}.png").stat().st_size > 1000
+
+@pytest.fixture(scope="module")
+def quickstart_cache(tmp_path_factory):
+    """One smoke quickstart policy for this module's quickstart runs (the first builds it)."""
+    return tmp_path_factory.mktemp("quickstart") / "warm_policy_quickstart_smoke_sft"
+
+
+def run_testbed(script: str, tmp_path, testbed: str, cache):
+    """The script's smoke run on `testbed`, and its smoke section's config."""
+    extra = ("--testbed", "quickstart", "--cache", str(cache)) if testbed == "quickstart" \
+        else ()
+    out = run_smoke(script, tmp_path, *extra)
+    section = "smoke_quickstart" if testbed == "quickstart" else "smoke"
+    return out, smoke_config(script.removesuffix(".py"), section)
+
+
+def check_testbed(out, results: dict, cfg: dict, testbed: str) -> None:
+    """The char policy came from its default cache, the quickstart one from the module's
+    (`--cache`); a quickstart run chose each swept arm's learning rate as the best
+    validation pass@1 of the configured rates."""
+    assert (out.parent / "warm_policy_smoke" / "warm.json").exists() == (testbed == "char")
+    if testbed == "quickstart":
+        assert results["warm_policy"]["sft_overrides"] == cfg["smoke_sft"]
+        assert results["warm_policy"]["testbed"] == "quickstart"
+        assert results["lr_sweeps"]
+        for sweep in results["lr_sweeps"].values():
+            val = sweep["val_pass_at_1_by_lr"]
+            assert sorted(val) == sorted(f"{lr:g}" for lr in cfg["learning_rates"])
+            assert val[f"{sweep['best_lr']:g}"] == max(val.values())
+
+
+def read(out, name: str, testbed: str = "char") -> dict:
+    png = out / (f"{name}_quickstart.png" if testbed == "quickstart" else f"{name}.png")
+    assert png.stat().st_size > 1000
     results = json.loads((out / "results.json").read_text())
     assert all(math.isfinite(x) for x in numbers(results))
     return results
@@ -28,10 +61,11 @@ def eq12(p: float, c: float) -> float:
 
 
 @pytest.mark.slow
-def test_topr_baseline_smoke(tmp_path):
-    out = run_smoke("topr_baseline.py", tmp_path)
-    results = read(out, "topr_baseline")
-    cfg = smoke_config("topr_baseline")
+@pytest.mark.parametrize("testbed", TESTBEDS)
+def test_topr_baseline_smoke(tmp_path, testbed, quickstart_cache):
+    out, cfg = run_testbed("topr_baseline.py", tmp_path, testbed, quickstart_cache)
+    results = read(out, "topr_baseline", testbed)
+    check_testbed(out, results, cfg, testbed)
     assert sorted(results["datasets"]) == sorted(f"{round(f * 100)}p" for f in cfg["fractions"])
     for name, entry in results["datasets"].items():
         for info in entry["seeds"].values():
@@ -58,10 +92,11 @@ def test_topr_baseline_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_fpa_dynamics_smoke(tmp_path):
-    out = run_smoke("fpa_dynamics.py", tmp_path)
-    results = read(out, "fpa_dynamics")
-    cfg = smoke_config("fpa_dynamics")
+@pytest.mark.parametrize("testbed", TESTBEDS)
+def test_fpa_dynamics_smoke(tmp_path, testbed, quickstart_cache):
+    out, cfg = run_testbed("fpa_dynamics.py", tmp_path, testbed, quickstart_cache)
+    results = read(out, "fpa_dynamics", testbed)
+    check_testbed(out, results, cfg, testbed)
     steps = [0, *range(cfg["eval_every"], cfg["steps"] + 1, cfg["eval_every"])]
     assert sorted(results["variants"]) == sorted(cfg["variants"])
     for name, entry in results["variants"].items():
