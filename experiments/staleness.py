@@ -192,19 +192,15 @@ def chosen_lrs(cfg: dict[str, Any], sweep_results: list[dict[str, Any]]) -> dict
 
 
 def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    import jax
+
     from jaxrl_llm.losses.registry import LOSS_SPECS
 
     if args.merge:
         return merge(args.merge, cfg)
 
     warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
-    cfg = {**cfg, "methods": {m: {**spec, **({"lr": float(dict(x.split("=") for x in args.lr)[m])}
-                                          if m in dict(x.split("=") for x in args.lr) else {})}
-                              for m, spec in cfg["methods"].items()
-                              if args.methods is None or m in args.methods},
-           "staleness": [s for s in cfg["staleness"] if args.staleness is None
-                         or s in args.staleness],
-           "seeds": [x for x in cfg["seeds"] if args.seeds is None or x in args.seeds]}
+    cfg = select(cfg, args)
     missing = [m for m in cfg["methods"] if cfg["methods"][m].get("loss", m) not in LOSS_SPECS]
     if missing:
         raise SystemExit(f"losses not in the registry: {missing}")
@@ -219,8 +215,6 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     test, validation = probes_for(config, cfg)
     mu = common.load_policy(warm["model"], config)
     start = test(mu)
-    import jax
-
     results: dict[str, Any] = {"config": cfg, "warm_policy": warm, "start": start,
                                "workers": workers, "device": jax.devices()[0].device_kind,
                                "methods": {}}
@@ -244,6 +238,30 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     results["methods"] = summarise_cells(cfg, finished, start)
     results["cells"] = {"planned": planned, "finished": len(swept) + len(finished) - len(reused)}
     return results
+
+
+def select(cfg: dict[str, Any], args: Any) -> dict[str, Any]:
+    """`cfg` cut to `--methods/--staleness/--seeds`, with `--lr METHOD=LR` fixing rates."""
+    fixed: dict[str, float] = {}
+    for item in args.lr:
+        method, _, value = item.partition("=")
+        try:
+            fixed[method] = float(value)
+        except ValueError:
+            raise SystemExit(f"--lr {item}: expected METHOD=LR, e.g. topr=3e-5") from None
+    for flag, asked, known in (("--methods", args.methods, cfg["methods"]),
+                               ("--lr", list(fixed), cfg["methods"]),
+                               ("--staleness", args.staleness, cfg["staleness"]),
+                               ("--seeds", args.seeds, cfg["seeds"])):
+        unknown = [x for x in asked or [] if x not in known]
+        if unknown:
+            raise SystemExit(f"{flag} {unknown}: not in the config's {list(known)}")
+    keep = (lambda x, asked: asked is None or x in asked)
+    return {**cfg,
+            "methods": {m: {**spec, **({"lr": fixed[m]} if m in fixed else {})}
+                        for m, spec in cfg["methods"].items() if keep(m, args.methods)},
+            "staleness": [x for x in cfg["staleness"] if keep(x, args.staleness)],
+            "seeds": [x for x in cfg["seeds"] if keep(x, args.seeds)]}
 
 
 def summarise_cells(cfg: dict[str, Any], finished: list[dict[str, Any]],

@@ -60,3 +60,22 @@ def test_parts_with_another_start_are_refused(tmp_path):
     b = part(tmp_path, "b", {"topr": {0: {1: 0.38}}}, "gpu", start={**START, "pass_at_1": 0.31})
     with pytest.raises(SystemExit, match="start .* differs"):
         merge([a, b], CFG)
+
+
+def test_grid_selection_and_fixed_rates():
+    from types import SimpleNamespace
+
+    from experiments.staleness import select
+
+    cfg = {"seeds": [0, 1, 2], "staleness": [0, 4, 256],
+           "methods": {"topr": {"keys": {"baseline": -0.3}}, "m2po": {}, "grpo": {}}}
+    args = SimpleNamespace(methods=["topr", "m2po"], staleness=[0, 256], seeds=[1, 2],
+                           lr=["topr=3e-5"])
+    cut = select(cfg, args)
+    assert cut["methods"] == {"topr": {"keys": {"baseline": -0.3}, "lr": 3e-5}, "m2po": {}}
+    assert cut["staleness"] == [0, 256] and cut["seeds"] == [1, 2]
+    for bad, match in ((dict(lr=["topr:3e-5"]), "expected METHOD=LR"),
+                       (dict(methods=["cispo"]), "--methods"),
+                       (dict(lr=["cispo=1e-4"]), "--lr"), (dict(seeds=[7]), "--seeds")):
+        with pytest.raises(SystemExit, match=match):
+            select(cfg, SimpleNamespace(**{**vars(args), **bad}))
