@@ -55,6 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from jaxrl_llm.signals import EXIT_SIGINT, CtrlCOutsideImports
+
+    # Ctrl-C while jaxlib or array_record initialise crashed the process (SIGSEGV/SIGABRT)
+    # instead of exiting 130: a Ctrl-C that lands inside an import is re-delivered after it.
+    with CtrlCOutsideImports() as ctrl_c:
+        try:
+            code = _main(argv)
+            ctrl_c.raise_pending()
+            return code
+        except KeyboardInterrupt:  # Ctrl-C before the command started: nothing written
+            print("jaxrl-llm: interrupted (Ctrl-C)", file=sys.stderr)
+            return EXIT_SIGINT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     # transformers (tokenizers, configs) says "PyTorch was not found. Models won't be
     # available" on import without torch: true and irrelevant here (our models are JAX).
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

@@ -8,6 +8,11 @@ signals themselves while they run (`StopSignals`): the first SIGINT or SIGTERM s
 loop reads, the loop saves and the command exits 128 + the signal number (130 for Ctrl-C, 143
 for SIGTERM); re-running the same command resumes. A second Ctrl-C exits at once (130): every
 stage is also safe against a kill (RELIABILITY.md: SIGKILL at any point, then resumed).
+
+Outside those stages Ctrl-C is Python's `KeyboardInterrupt`, with one exception
+(`CtrlCOutsideImports`): a `KeyboardInterrupt` raised while a compiled extension initialises
+(jaxlib's MLIR bindings, array_record) leaves it half-built and the process segfaults or aborts
+instead of exiting 130, so a Ctrl-C that lands inside an import is re-delivered once it is over.
 """
 
 from __future__ import annotations
@@ -46,6 +51,64 @@ class Interrupted(Exception):
         super().__init__(message)
         self.signum = signum
         self.exit_code = exit_code(signum)
+
+
+def _inside_import(frame: Any) -> bool:
+    """Whether the interpreter is executing an `import` (any frame of importlib's bootstrap)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class CtrlCOutsideImports:
+    """While active (`with CtrlCOutsideImports():`, main thread only), Ctrl-C raises
+    `KeyboardInterrupt` as Python's default handler does, except inside an import: there it is
+    sent again every `retry_s` seconds until it lands outside one, or `raise_pending` raises it.
+    A stage's own handler (`StopSignals`) takes over while that stage runs, then hands back."""
+
+    def __init__(self, retry_s: float = 0.05) -> None:
+        self.retry_s = retry_s
+        self._timer: threading.Timer | None = None  # one re-delivery at a time
+        self._previous: Any = None
+        self._installed = False
+
+    def _resend(self) -> None:
+        self._timer = None
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not _inside_import(frame):
+            raise KeyboardInterrupt
+        if self._timer is None:
+            self._timer = threading.Timer(self.retry_s, self._resend)
+            self._timer.daemon = True  # never keeps a finished process alive
+            self._timer.start()
+
+    def _cancel(self) -> bool:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        return timer is not None
+
+    def raise_pending(self) -> None:
+        """Raise the `KeyboardInterrupt` of a Ctrl-C still waiting for its import to end (the
+        command finished first): a Ctrl-C is never lost."""
+        if self._cancel():
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> CtrlCOutsideImports:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cancel()
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
 
 
 class StopSignals:
