@@ -51,6 +51,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
                    where="in the iterated loop (")
 
 
+def _label(name: str, entry: dict[str, Any]) -> str:
+    """An arm's legend entry, with its learning rate where it was chosen per arm."""
+    return f"{name} (lr {entry['lr']:g})" if entry.get("lr") is not None else name
+
+
 def plot_pass_at_k(results: dict[str, Any], path: Path, *, x_key: str, unit: str,
                    start_label: str, where: str) -> None:
     """Pass@k vs k after the last `unit`, and pass@1 / pass@n along `results[arm][x_key]`
@@ -68,7 +73,8 @@ def plot_pass_at_k(results: dict[str, Any], path: Path, *, x_key: str, unit: str
         entry = results["arms"][name]
         m = np.array([entry["pass_at_k"][k]["mean"][-1] for k in ks])
         se = np.array([entry["pass_at_k"][k]["se"][-1] for k in ks])
-        axes[0].errorbar([int(k) for k in ks], m, yerr=se, marker="o", capsize=3, label=name)
+        axes[0].errorbar([int(k) for k in ks], m, yerr=se, marker="o", capsize=3,
+                         label=_label(name, entry))
     m0 = np.array([first["pass_at_k"][k]["mean"][0] for k in ks])
     axes[0].plot([int(k) for k in ks], m0, "k--", label=start_label)
     axes[0].set(xlabel="k", ylabel="test pass@k", xscale="log", xticks=[int(k) for k in ks],
@@ -77,7 +83,8 @@ def plot_pass_at_k(results: dict[str, Any], path: Path, *, x_key: str, unit: str
         for name in names:
             entry = results["arms"][name]
             ax.errorbar(entry[x_key], entry["pass_at_k"][k]["mean"],
-                        yerr=entry["pass_at_k"][k]["se"], marker="o", capsize=3, label=name)
+                        yerr=entry["pass_at_k"][k]["se"], marker="o", capsize=3,
+                        label=_label(name, entry))
         ax.set(xlabel=unit, ylabel=f"test pass@{k}", title=f"pass@{k} per {unit}")
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -74,3 +74,14 @@ def test_pkpo_online_smoke(tmp_path):
             curve = [entry["pass_at_k"][str(k)]["mean"][i] for k in range(1, cfg["eval_n"] + 1)]
             assert all(0.0 <= a <= b + 1e-9 <= 1.0 + 1e-9 for a, b in zip(curve, curve[1:])), arm
         assert entry["pass_at_k"]["1"]["mean"][0] == results["start"]["pass_at_1"]
+    # every arm's lr is the best of its sweep on validation pass@k at its last k (anneal: 1)
+    rates = cfg["lr_sweep"]["learning_rates"]
+    for arm, entry in results["lr_sweep"].items():
+        k = 1 if arm == "anneal" else int(arm.split("=")[1])
+        assert entry["objective"] == f"pass_at_{k}"
+        scores = {float(r): v for r, v in entry["validation"].items()}
+        assert sorted(scores) == sorted(rates)
+        assert scores[entry["chosen"]] == max(scores.values())
+        assert results["arms"][arm]["lr"] == entry["chosen"]
+    assert set(results["lr_sweep"]) == set(results["arms"])
+    assert 0.0 <= results["start_validation"]["pass_at_1"] <= 1.0
