@@ -10,8 +10,9 @@ sloo_minus_one, eq. 33; the anneal sets k per round with `online.pkpo_k`) and ta
 REINFORCE update on them (staleness 0: on-policy). Within a seed every arm samples the same
 prompts and its first round draws the same records. With `lr_sweep` each arm runs every rate on
 one seed and keeps the one with the best validation pass@k at the k it optimises last (the
-anneal: 1), on validation questions (problem seed 1), not the test ones. Claim 5 (`pkpo_iterated.py`) is the same
-comparison in the iterated loop (4 iterations of 32 steps on the char-level policy).
+anneal: 1), on validation questions (problem seed 1), not the test ones. Claim 5
+(`pkpo_iterated.py`) is the same comparison in the iterated loop (4 iterations of 32 steps on
+the char-level policy).
 
     python experiments/pkpo_online.py --out runs/experiments/pkpo_online [--smoke]
 """
@@ -44,9 +45,12 @@ def objective_k(schedule: list[int]) -> int:
 
 
 def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    sweep = cfg.get("lr_sweep")
+    if (sweep is None) == (cfg.get("learning_rate") is None):  # before the warm policy's SFT
+        raise SystemExit(f"{CONFIG.name}: set exactly one of `learning_rate` (one rate for every "
+                         "arm) and `lr_sweep` (each arm's best on validation)")
     warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
     schedules = arms(cfg)
-    sweep = cfg.get("lr_sweep")
     run_cfg = {**cfg, "reward_scheme": "01", "pass_k": [1, cfg["n"]],
                "methods": {arm: {"loss": "reinforce", "lr": cfg.get("learning_rate"),
                                  "keys": {"length_norm": True}} for arm in schedules}}
