@@ -213,13 +213,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, len(names), figsize=(max(5.2 * len(names), 8.0), 6.4),
                              squeeze=False)
     n_seeds = len(results["config"]["seeds"])
+    per_arm = results["config"].get("lr_select") == "arm"
     for col, name in enumerate(names):
         entry = results["datasets"][name]
         x = np.array(entry["targets"])
         for loss, s in entry["losses"].items():
             for row, key in enumerate(("pass_at_1", "invalid")):
                 m, se = np.array(s[key]["mean"]), np.array(s[key]["se"])
-                axes[row, col].errorbar(x, m, yerr=se, marker="o", capsize=3, label=loss)
+                line = axes[row, col].errorbar(x, m, yerr=se, marker="o", capsize=3, label=loss)
+            if per_arm:  # each point's own validation-chosen rate, beside it
+                first_seed = next(iter(s["runs"].values()))
+                for xi, mi, run in zip(x, s["pass_at_1"]["mean"], first_seed):
+                    axes[0, col].annotate(f"{run['learning_rate']:g}", (xi, mi), fontsize=7,
+                                          color=line[0].get_color(), xytext=(4, 4),
+                                          textcoords="offset points")
         for row, key in enumerate(("pass_at_1", "invalid")):
             ax = axes[row, col]
             ax.axhline(results["step0"][key], color="gray", ls=":", label="initial policy")
@@ -230,9 +237,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         axes[0, col].set_title(f"{name} dataset (mean ± SE, {n_seeds} seeds)")
     axes[0, -1].legend()
     lrs = {k: v["best_lr"] for k, v in results.get("lr_sweeps", {}).items() if v["best_lr"]}
-    note = (", quickstart testbed, lr " + ", ".join(f"{k} {v:g}" for k, v in lrs.items())
-            ) if results["config"].get("testbed") == "quickstart" else ""
-    fig.suptitle(f"Accuracy vs effective positive fraction (TOPR arXiv:2503.14286 Fig. 5/6{note})")
+    note = ("\nquickstart testbed, " + (
+        "each arm's lr chosen on validation (labels)" if per_arm else
+        "lr " + ", ".join(f"{k} {v:g}" for k, v in lrs.items()))
+    ) if results["config"].get("testbed") == "quickstart" else ""
+    fig.suptitle(f"Accuracy vs effective positive fraction (TOPR arXiv:2503.14286 Fig. 5/6){note}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -83,6 +83,9 @@ def test_topr_baseline_smoke(tmp_path, testbed, quickstart_cache):
                 assert all(0.0 <= v <= 1.0 for v in summary[key]["mean"]), (name, loss, key)
             for rows in summary["runs"].values():
                 for t, row in zip(cfg["targets"], rows, strict=True):
+                    if cfg.get("lr_select") == "arm":  # each arm trained at its own choice
+                        sweep = results["lr_sweeps"][f"{name} p̃={t:g} {loss}"]
+                        assert row["learning_rate"] == sweep["best_lr"]
                     # every record of a batch has the dataset's reward mix; the logged p̃ is
                     # eq. 12 of the batch's own positive fraction, so it is near the target
                     # only on average; p̃ = 1 (c = −1, negatives weightless) is exact
