@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with CtrlCOutsideImports() as ctrl_c:
         try:
             code = _main(argv)
-            ctrl_c.raise_pending()
+            if code != EXIT_SIGINT:  # (130: the command reported its Ctrl-C itself)
+                ctrl_c.raise_pending()
             return code
         except KeyboardInterrupt:  # Ctrl-C before the command started: nothing written
             print("jaxrl-llm: interrupted (Ctrl-C)", file=sys.stderr)

@@ -12,7 +12,8 @@ stage is also safe against a kill (RELIABILITY.md: SIGKILL at any point, then re
 Outside those stages Ctrl-C is Python's `KeyboardInterrupt`, with one exception
 (`CtrlCOutsideImports`): a `KeyboardInterrupt` raised while a compiled extension initialises
 (jaxlib's MLIR bindings, array_record) leaves it half-built and the process segfaults or aborts
-instead of exiting 130, so a Ctrl-C that lands inside an import is re-delivered once it is over.
+instead of exiting 130, so a Ctrl-C that lands inside an import is re-delivered once it is over;
+and one whose `KeyboardInterrupt` something on the way swallowed is raised again at the end.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class CtrlCOutsideImports:
         self._timer: threading.Timer | None = None  # one re-delivery at a time
         self._previous: Any = None
         self._installed = False
+        self.raised = False  # a KeyboardInterrupt left this handler (it may have been swallowed)
 
     def _resend(self) -> None:
         self._timer = None
@@ -80,6 +82,7 @@ class CtrlCOutsideImports:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not _inside_import(frame):
+            self.raised = True
             raise KeyboardInterrupt
         if self._timer is None:
             self._timer = threading.Timer(self.retry_s, self._resend)
@@ -93,9 +96,13 @@ class CtrlCOutsideImports:
         return timer is not None
 
     def raise_pending(self) -> None:
-        """Raise the `KeyboardInterrupt` of a Ctrl-C still waiting for its import to end (the
-        command finished first): a Ctrl-C is never lost."""
-        if self._cancel():
+        """Raise the `KeyboardInterrupt` of a Ctrl-C the command did not end on: one still
+        waiting for its import to end (the command finished first), or one raised that code on
+        the way swallowed (a broad `except`, a callback whose errors are dropped — seen once
+        during `import jax` under load: exit 0, no output). A Ctrl-C is never lost."""
+        waiting, swallowed = self._cancel(), self.raised
+        self.raised = False
+        if waiting or swallowed:
             raise KeyboardInterrupt
 
     def __enter__(self) -> CtrlCOutsideImports:

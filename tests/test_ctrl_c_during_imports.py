@@ -4,11 +4,16 @@ Python raises `KeyboardInterrupt` at the next bytecode, which can be inside jaxl
 bindings while they build their enums: the extension is left half-built and the process
 aborts (SIGABRT) or segfaults instead of exiting 130 — found by the reliability sweep
 (`curate`, Ctrl-C after 0.43 s, exit -11). These tests put the Ctrl-C exactly there.
+
+Without the guard the same script (`import jax` under `_AT_MLIR_INIT`) aborted (-6) in 24 of
+24 runs here, but once, in a CI run on a loaded machine, it exited 0 with no output: the
+`KeyboardInterrupt` was swallowed and the Ctrl-C lost. Where Python processes the signal
+depends on timing, so that control is not a test; the guard's answer to the second outcome is
+`test_a_swallowed_ctrl_c_is_raised_again_at_the_end`.
 """
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
@@ -58,10 +63,29 @@ def test_ctrl_c_inside_jaxlib_init_exits_130_through_the_cli(tmp_path):
     assert "Traceback" not in proc.stderr and "ImportError" not in proc.stderr
 
 
-def test_the_same_ctrl_c_without_the_guard_crashes_the_interpreter(tmp_path):
-    """The control: Python's default handling at the same point is not a clean exit."""
-    proc = _run("import jax\ncode = 0", tmp_path)
-    assert proc.returncode not in (0, 130, -signal.SIGINT), (proc.returncode, proc.stderr[-2000:])
+def test_a_swallowed_ctrl_c_is_raised_again_at_the_end(tmp_path):
+    script = textwrap.dedent("""
+        import os, signal, time
+        from jaxrl_llm.signals import CtrlCOutsideImports
+        with CtrlCOutsideImports(retry_s=60.0) as guard:
+            try:  # as a library's broad `except` would: the KeyboardInterrupt is dropped
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(30)
+                print("no KeyboardInterrupt")
+            except BaseException:
+                print("swallowed", flush=True)
+            try:
+                guard.raise_pending()
+                print("lost")
+            except KeyboardInterrupt:
+                print("raised at the end")
+            guard.raise_pending()  # once: nothing is left to raise
+            print("done")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.splitlines() == ["swallowed", "raised at the end", "done"], \
+        proc.stdout + proc.stderr
 
 
 def test_a_ctrl_c_inside_an_import_arrives_after_it(tmp_path):
