@@ -334,7 +334,7 @@ def write_results(out: Path, name: str, results: dict[str, Any]) -> Path:
 
 def parse_args(description: str, default_out: str,
                extra: Callable[[Any], None] | None = None,
-               cache_name: str = "warm_policy") -> Any:
+               cache_name: str = "warm_policy", smoke_cache_name: str | None = None) -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -348,7 +348,7 @@ def parse_args(description: str, default_out: str,
     args = parser.parse_args()
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    smoke_name = f"{cache_name}_smoke"
+    smoke_name = smoke_cache_name or f"{cache_name}_smoke"
     if getattr(args, "testbed", "char") == "quickstart":  # experiments/testbed.py
         cache_name, smoke_name = "warm_policy_quickstart", "warm_policy_quickstart_smoke_sft"
     default_cache = args.out.parent / (smoke_name if args.smoke else cache_name)
@@ -360,7 +360,8 @@ def run_experiment(doc: str, name: str, config: Path,
                    run: Callable[[Any, dict[str, Any]], dict[str, Any]],
                    plot: Callable[[dict[str, Any], Path], None], *,
                    cache_name: str = "warm_policy",
-                   extra: Callable[[Any], None] | None = None, testbeds: bool = False) -> None:
+                   extra: Callable[[Any], None] | None = None, testbeds: bool = False,
+                   smoke_cache_name: str | None = None) -> None:
     """The `main()` of an experiment script: parse `--out/--smoke`, run the config's `full` or
     `smoke` section, record wall and CPU seconds, write `results.json` and `NAME.png`.
     `testbeds`: `--testbed quickstart` runs `full_quickstart` / `smoke_quickstart` and writes
@@ -368,7 +369,8 @@ def run_experiment(doc: str, name: str, config: Path,
     from experiments import testbed
 
     args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}",
-                      extra=testbed.add_args if testbeds else extra, cache_name=cache_name)
+                      extra=testbed.add_args if testbeds else extra, cache_name=cache_name,
+                      smoke_cache_name=smoke_cache_name)
     cfg = yaml.safe_load(config.read_text())[testbed.section(args)]
     if getattr(args, "seeds", None):
         cfg["seeds"] = [s for s in cfg["seeds"] if s in args.seeds]

@@ -1,5 +1,5 @@
-"""The online experiments on the quickstart testbed (experiments/staleness.py and
-experiments/pkpo_online.py) with `--smoke`, as a user runs them: a subprocess from a temporary
+"""The online experiments on the quickstart testbed (experiments/staleness.py,
+experiments/pkpo_online.py and experiments/testbed_bar.py) with `--smoke`, as a user runs them: a subprocess from a temporary
 directory. Checked: the PNG and the JSON exist, every number is finite, every configured
 (method, s, seed) ran with one probe per `eval_every` updates ending at the last update, the
 first point is the start (the same for every run), the count of updates trained on the initial
@@ -85,3 +85,37 @@ def test_pkpo_online_smoke(tmp_path):
         assert results["arms"][arm]["lr"] == entry["chosen"]
     assert set(results["lr_sweep"]) == set(results["arms"])
     assert 0.0 <= results["start_validation"]["pass_at_1"] <= 1.0
+
+
+@pytest.mark.slow
+def test_testbed_bar_smoke(tmp_path):
+    """experiments/testbed_bar.py: every method × seed ran to the last update; each run's and
+    μ's per-question pass rates average to its reported pass@1; the change and both SEs equal
+    a direct recomputation from the stored per-question rates (statistics.stdev)."""
+    import statistics
+
+    out = run_smoke("testbed_bar.py", tmp_path)
+    assert (out / "testbed_bar.png").stat().st_size > 1000
+    results = json.loads((out / "results.json").read_text())
+    assert all(math.isfinite(x) for x in numbers(results))
+    cfg = smoke_config("testbed_bar")
+    start = results["start"]
+    assert len(start["per_question"]) == cfg["eval_questions"]
+    assert 0 < sum(start["per_question"]) < len(start["per_question"])  # the checks below bite
+    assert statistics.fmean(start["per_question"]) == pytest.approx(start["pass_at_1"])
+    assert sorted(results["methods"]) == sorted(cfg["methods"])
+    for method, entry in results["methods"].items():
+        assert sorted(entry["runs"]) == [str(s) for s in cfg["seeds"]]
+        finals = []
+        for run in entry["runs"].values():
+            assert run["updates"] == cfg["updates"]
+            assert statistics.fmean(run["per_question"]) == pytest.approx(run["pass_at_1"])
+            assert all(0.0 <= v <= 1.0 for v in run["per_question"])
+            finals.append(run["per_question"])
+        by_seed = [statistics.fmean(f) - start["pass_at_1"] for f in finals]
+        d = [statistics.fmean(col) - s for col, s in zip(zip(*finals), start["per_question"])]
+        assert entry["change"] == pytest.approx(statistics.fmean(d))
+        assert entry["per_seed_change"] == pytest.approx(by_seed)
+        assert entry["se_seeds"] == pytest.approx(statistics.stdev(by_seed) / len(by_seed) ** 0.5)
+        assert entry["se_questions_paired"] == pytest.approx(statistics.stdev(d) / len(d) ** 0.5)
+        assert entry["lr"] == cfg["methods"][method]["lr"]
