@@ -68,6 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C before the command started: nothing written
             print("jaxrl-llm: interrupted (Ctrl-C)", file=sys.stderr)
             return EXIT_SIGINT
+        except Exception:
+            if not ctrl_c.raised:
+                raise
+            # A library turned the Ctrl-C's KeyboardInterrupt into its own error (JAX: a
+            # ValueError when it lands in a static argument's __eq__ during a jit cache lookup).
+            print("jaxrl-llm: interrupted (Ctrl-C)", file=sys.stderr)
+            return EXIT_SIGINT
 
 
 def _main(argv: Sequence[str] | None) -> int:

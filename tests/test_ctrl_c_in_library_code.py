@@ -1,0 +1,48 @@
+"""Ctrl-C whose `KeyboardInterrupt` a library turns into its own error (jaxrl_llm/cli.py `main`).
+
+Found by the reliability sweep (`online mid-round`, Ctrl-C after 4.11 s, exit 1): the Ctrl-C
+landed in a static argument's `__eq__` while JAX looked up its jit cache (the sampler's
+`fused_layer_params(graphdef, ...)`), and JAX re-raised it as `ValueError: static arguments
+should be comparable using __eq__`, so the command died with a traceback instead of exiting
+130. This test puts the Ctrl-C exactly there, through the real `jaxrl-llm online`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.faults.online_stage import ONLINE_YAML
+
+# Sends SIGINT to itself at the first `__eq__` that JAX's jit cache calls from the sampler.
+_AT_STATIC_ARG_EQ = textwrap.dedent("""
+    import os, signal, sys
+    state = {"fired": False}
+
+    def profile(frame, event, arg):
+        caller = frame.f_back
+        if not state["fired"] and event == "call" and frame.f_code.co_name == "__eq__" \\
+                and caller is not None and caller.f_code.co_name == "generate" \\
+                and caller.f_code.co_filename.endswith("sampler.py"):
+            state["fired"] = True
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    sys.setprofile(profile)
+    from jaxrl_llm.cli import main
+    code = main(["online", "--config", "online.yaml", "--no-progress"])
+    print("fired" if state["fired"] else "not fired", flush=True)
+    sys.exit(code)
+""")
+
+
+def test_ctrl_c_in_a_jit_cache_lookup_exits_130(tmp_path):
+    (tmp_path / "online.yaml").write_text(ONLINE_YAML)
+    proc = subprocess.run([sys.executable, "-c", _AT_STATIC_ARG_EQ], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.stdout.splitlines()[-1:] == ["fired"], (proc.returncode, proc.stdout[-2000:],
+                                                       proc.stderr[-3000:])
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
+    assert "interrupted (Ctrl-C)" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ValueError" not in proc.stderr, proc.stderr[-3000:]
