@@ -9,6 +9,7 @@ should be comparable using __eq__`, so the command died with a traceback instead
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -37,10 +38,19 @@ _AT_STATIC_ARG_EQ = textwrap.dedent("""
 """)
 
 
+def _single_host_env() -> dict[str, str]:
+    """This process's environment on one CPU device, without the launcher variables that
+    `parallel.distributed.detect_cluster` reads (earlier in-process tests, e.g. libtpu's
+    `plan` compiles, can leave TPU ones behind, and `online` would then try to join a pod)."""
+    launcher = ("SLURM_", "TPU_", "MEGASCALE_", "CLOUD_TPU_", "JAXRL_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+
+
 def test_ctrl_c_in_a_jit_cache_lookup_exits_130(tmp_path):
     (tmp_path / "online.yaml").write_text(ONLINE_YAML)
     proc = subprocess.run([sys.executable, "-c", _AT_STATIC_ARG_EQ], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+                          env=_single_host_env(), capture_output=True, text=True, timeout=300)
     assert proc.stdout.splitlines()[-1:] == ["fired"], (proc.returncode, proc.stdout[-2000:],
                                                        proc.stderr[-3000:])
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
