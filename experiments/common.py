@@ -217,13 +217,24 @@ class Probe:
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
         return self._tokenizer
 
-    def __call__(self, model: Any) -> dict[str, float]:
+    progress = True  # the evaluation's progress bar
+
+    def evaluate(self, model: Any) -> tuple[dict[str, Any], Any]:
+        """`evaluate_model` on the fixed questions and draws: (eval.json dict, graded samples)."""
         from jaxrl_llm.eval.evaluate import evaluate_model
 
         g = self.config.generate
-        summary, _ = evaluate_model(model, self.tokenizer(), self.task, self.problems, n=self.n,
-                                    temperature=g.temperature, max_new_tokens=g.max_new_tokens,
-                                    batch_size=g.batch_size, seed=self.seed, maj_k=(1,), trials=2)
+        return evaluate_model(model, self.tokenizer(), self.task, self.problems, n=self.n,
+                              temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                              batch_size=g.batch_size, seed=self.seed, maj_k=(1,), trials=2,
+                              progress=self.progress)
+
+    def __call__(self, model: Any) -> dict[str, float]:
+        summary, _ = self.evaluate(model)
+        return self.row(summary)
+
+    @staticmethod
+    def row(summary: dict[str, Any]) -> dict[str, float]:
         return {"pass_at_1": float(summary["pass_at_1"]["mean"]),
                 "pass_at_1_se": float(summary["pass_at_1"]["se"]),
                 "invalid": float(summary["proportions"]["invalid"])}
@@ -391,15 +402,9 @@ def run_experiment(doc: str, name: str, config: Path,
 class PassAtKProbe(Probe):
     """`Probe` that also reports unbiased pass@k for every k ≤ n (`pass_at_K` keys)."""
 
-    def __call__(self, model: Any) -> dict[str, float]:
-        from jaxrl_llm.eval.evaluate import evaluate_model
+    progress = False
 
-        g = self.config.generate
-        summary, _ = evaluate_model(model, self.tokenizer(), self.task, self.problems, n=self.n,
-                                    temperature=g.temperature, max_new_tokens=g.max_new_tokens,
-                                    batch_size=g.batch_size, seed=self.seed, maj_k=(1,), trials=2,
-                                    progress=False)
-        return {"pass_at_1": float(summary["pass_at_1"]["mean"]),
-                "pass_at_1_se": float(summary["pass_at_1"]["se"]),
-                "invalid": float(summary["proportions"]["invalid"]),
+    def __call__(self, model: Any) -> dict[str, float]:
+        summary, _ = self.evaluate(model)
+        return {**self.row(summary),
                 **{f"pass_at_{k}": float(v) for k, v in summary["pass_at_k"].items()}}

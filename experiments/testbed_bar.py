@@ -33,18 +33,12 @@ class QuestionProbe(common.Probe):
     """`Probe` that also keeps each question's pass rate (`self.per_question`, [Q])."""
 
     per_question: np.ndarray
+    progress = False
 
     def __call__(self, model: Any) -> dict[str, float]:
-        from jaxrl_llm.eval.evaluate import evaluate_model
-
-        g = self.config.generate
-        summary, graded = evaluate_model(
-            model, self.tokenizer(), self.task, self.problems, n=self.n,
-            temperature=g.temperature, max_new_tokens=g.max_new_tokens,
-            batch_size=g.batch_size, seed=self.seed, maj_k=(1,), trials=2, progress=False)
+        summary, graded = self.evaluate(model)
         self.per_question = np.asarray(graded.correct, dtype=np.float64).mean(axis=1)
-        return {"pass_at_1": float(summary["pass_at_1"]["mean"]),
-                "invalid": float(summary["proportions"]["invalid"])}
+        return self.row(summary)
 
 
 def paired_change(per_seed: list[np.ndarray], start: np.ndarray) -> dict[str, float]:

@@ -65,14 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if code != EXIT_SIGINT:  # (130: the command reported its Ctrl-C itself)
                 ctrl_c.raise_pending()
             return code
-        except KeyboardInterrupt:  # Ctrl-C before the command started: nothing written
-            print("jaxrl-llm: interrupted (Ctrl-C)", file=sys.stderr)
-            return EXIT_SIGINT
-        except Exception:
-            if not ctrl_c.raised:
+        # KeyboardInterrupt: Ctrl-C before the command started (nothing written). Another
+        # error after the guard raised one: a library turned that Ctrl-C into its own error
+        # (JAX: a ValueError when it lands in a static argument's __eq__ in a jit cache lookup).
+        except (KeyboardInterrupt, Exception) as err:
+            if not isinstance(err, KeyboardInterrupt) and not ctrl_c.raised:
                 raise
-            # A library turned the Ctrl-C's KeyboardInterrupt into its own error (JAX: a
-            # ValueError when it lands in a static argument's __eq__ during a jit cache lookup).
             print("jaxrl-llm: interrupted (Ctrl-C)", file=sys.stderr)
             return EXIT_SIGINT
 

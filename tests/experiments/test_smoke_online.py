@@ -1,11 +1,11 @@
 """The online experiments on the quickstart testbed (experiments/staleness.py,
-experiments/pkpo_online.py and experiments/testbed_bar.py) with `--smoke`, as a user runs them: a subprocess from a temporary
-directory. Checked: the PNG and the JSON exist, every number is finite, every configured
-(method, s, seed) ran with one probe per `eval_every` updates ending at the last update, the
-first point is the start (the same for every run), the count of updates trained on the initial
-policy's samples is s + 1, TOPR's logged fractions lie in [0, 1], the on-policy run's log π − log μ
-stays ~0 while the stale run's does not, and pass@k is monotone in k. The scientific outcome is
-measured in experiments/README.md, not asserted here."""
+experiments/pkpo_online.py and experiments/testbed_bar.py) with `--smoke`, as a user runs them:
+a subprocess from a temporary directory. Checked: the PNG and the JSON exist, every number is
+finite, every configured (method, s, seed) ran with one probe per `eval_every` updates ending at
+the last update, the first point is the start (the same for every run), the count of updates
+trained on the initial policy's samples is s + 1, TOPR's logged fractions lie in [0, 1], the
+on-policy run's log π − log μ stays ~0 while the stale run's does not, and pass@k is monotone in
+k. The scientific outcome is measured in experiments/README.md, not asserted here."""
 
 from __future__ import annotations
 
