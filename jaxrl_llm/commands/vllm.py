@@ -36,19 +36,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(host)
 
 
+def run_step(cmd: list[str]) -> int:
+    """Run one pip step; a failure is named in one line (pip printed why above it), with no
+    traceback: exit 2."""
+    code = subprocess.run(cmd).returncode
+    if code != 0:
+        print(f"error: `{' '.join(cmd)}` failed (exit {code}); pip's message is above (e.g. no "
+              "space left on the device, or the package index cannot be reached)",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
 def install(device: str, dry_run: bool) -> int:
     from jaxrl_llm.generate import vllm_env as env
 
     device = env.detect_device() if device == "auto" else device
     cmd = env.install_step(device)
     print("$ " + " ".join(cmd), flush=True)
-    if not dry_run:
-        subprocess.run(cmd, check=True)
+    if not dry_run and run_step(cmd):
+        return 2
     removal = env.removal_step(env.installed_versions(env.CPU_INCOMPATIBLE)) \
         if device == "cpu" and not dry_run else None
     if removal:
         print("$ " + " ".join(removal), flush=True)
-        subprocess.run(removal, check=True)
+        if run_step(removal):
+            return 2
     return 0 if dry_run else check()
 
 

