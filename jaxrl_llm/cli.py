@@ -15,23 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-# name -> one-line help; the command is implemented by `jaxrl_llm.commands.<name>`.
-COMMANDS: dict[str, str] = {
-    "config": "print the resolved configuration of any config (experiment, iterate, quickstart)",
-    "plan": "compile the train step for a mesh/TPU topology; per-device memory and FLOPs",
-    "data": "inspect record shards: show | stats | export-jsonl",
-    "generate": "sample completions (jax or vllm) and write scored records",
-    "score": "write μ per-token log-probs with the trainer's numerics",
-    "curate": "select a training set from records (curation, group transforms)",
-    "report": "PNG plots and a Markdown summary of a run directory",
-    "train": "train on scored records; resumes from the latest checkpoint",
-    "export": "write a training checkpoint as an HF directory (atomic)",
-    "evaluate": "pass@k, pass@1 ± SE, maj@K ± 2 SE, invalid rate -> eval.json",
-    "iterate": "generate → score → curate → train → export → evaluate, per iteration",
-    "online": "sample → reward → update in one program, with a staleness knob; resumes",
-    "quickstart": "the whole flow on CPU in minutes: SFT, TOPR, before/after table",
-    "vllm": "vLLM: install (GPU or CPU build) | check | host (the sampler of an iterate run)",
-}
+from jaxrl_llm.commands import COMMANDS
 
 # Commands that place arrays on devices: on a TPU pod / SLURM job / JAXRL_* launch every host
 # runs the same command, which must join the multi-host job before touching a device.

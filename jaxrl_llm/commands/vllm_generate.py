@@ -1,12 +1,11 @@
-"""`python -m jaxrl_llm.generate.vllm --model HF_DIR --config C [--out DIR]`: generate records
-with vLLM on a GPU host (launch/vllm_host.sh; `jaxrl-llm generate` with
-`generate.backend: vllm` runs the same library call, `generate.vllm.generate_vllm_records`)."""
+"""`jaxrl-llm vllm generate --model HF_DIR --config C [--out DIR]`: generate records with vLLM
+on a GPU host (launch/vllm_host.sh; `jaxrl-llm generate` with `generate.backend: vllm` runs
+the same library call, `generate.vllm.generate_vllm_records`). A sub-action of
+`commands/vllm.py`, which imports it."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
 
 from jaxrl_llm.commands.config import add_config_arguments
 
@@ -33,16 +32,3 @@ def run(args: argparse.Namespace) -> int:
                                      overwrite=args.overwrite)
     print(f"wrote {manifest.num_records} records to {out}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import jaxrl_llm.generate.vllm as backend
-
-    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.generate.vllm",
-                                     description=(backend.__doc__ or "").split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
