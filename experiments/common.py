@@ -133,13 +133,13 @@ def warm_policy_quickstart(cache: Path, *, smoke: bool = False,
     `smoke_overrides` replace `QUICKSTART_SMOKE_OVERRIDES` (a smoke policy that answers)."""
     from jaxrl_llm.eval.evaluate import evaluate_model
     from jaxrl_llm.export import atomic_save
-    from jaxrl_llm.generate.loading import task_from_config
     from jaxrl_llm.quickstart import (
         QUICKSTART_DEFAULTS,
         build_tokenizer,
         load_quickstart_config,
         sft_warm_start,
     )
+    from jaxrl_llm.tasks import task_from_config
 
     cache = cache.resolve()
     info_path = cache / "warm.json"
@@ -202,7 +202,7 @@ class Probe:
 
     def __init__(self, config: Any, *, num_questions: int, n: int, seed: int = 1234,
                  split: str = "test", problem_seed: int = 0) -> None:
-        from jaxrl_llm.generate.loading import task_from_config
+        from jaxrl_llm.tasks import task_from_config
 
         self.config = config
         self.task = task_from_config(config)
@@ -312,9 +312,9 @@ def train_with_probe(config: Any, probe: Callable[[Any], dict[str, float]], *, e
 
 def load_policy(path: str, config: Any) -> Any:
     """The model of an HF directory with the config's numerics (the loader `evaluate` uses)."""
-    from jaxrl_llm.eval.evaluate import load_model_and_tokenizer
+    from jaxrl_llm.opener import open_model
 
-    return load_model_and_tokenizer(path, config)[0]
+    return open_model(path, config, key="--model").model
 
 
 def mean_se(values: Sequence[Sequence[float]] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -104,7 +104,7 @@ class Policy:
 
     def __init__(self, config: ExperimentConfig, state: Any, tokenizer: Any, mesh: Any,
                  *, info: Mapping[str, Any] | None = None) -> None:
-        from jaxrl_llm.generate.loading import task_from_config
+        from jaxrl_llm.tasks import task_from_config
 
         self.config = config
         self.state = state

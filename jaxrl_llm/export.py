@@ -117,17 +117,6 @@ def _special_ids(tokenizer: Any) -> dict[str, int]:
     return ids
 
 
-def tokenizer_for(config: Any, tokenizer: str | None) -> Any:
-    """The tokenizer to ship with an export: `--tokenizer DIR`, else the run's own."""
-    if tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(tokenizer)
-    from jaxrl_llm.generate.loading import tokenizer_from_config
-
-    return tokenizer_from_config(config)
-
-
 def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | None = None,
                       tokenizer: str | None = None, dtype: str | None = None,
                       overwrite: bool = False, format: str = "hf",
@@ -136,22 +125,23 @@ def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | No
     (format "hf": an HF directory; "gguf": one GGUF file of `gguf_type`)."""
     import jax
 
-    from jaxrl_llm.train.checkpoint import restore_model
+    from jaxrl_llm.opener import open_checkpoint
 
     if format not in ("hf", "gguf"):
         raise ValueError(f"export format {format!r} is not one of ['hf', 'gguf']")
-    restored = restore_model(checkpoint, step=step)
-    tok = tokenizer_for(restored.config, tokenizer)
+    # the run's own tokenizer, or `tokenizer` (a directory); refused when it outgrows the model
+    opened = open_checkpoint(str(checkpoint), step=step, tokenizer=tokenizer)
     if format == "gguf":  # refuse an unsupported architecture/type before any file is made
         from jaxrl_llm.weights.gguf_export import check_exportable
 
-        check_exportable(restored.model.config, gguf_type)
+        check_exportable(opened.model.config, gguf_type)
     if jax.process_index() != 0:  # every host restored and gathered; one writes
         return as_path(out_dir)
     if format == "gguf":
-        return atomic_save_gguf(restored.model, out_dir, tokenizer=tok, gguf_type=gguf_type,
-                                overwrite=overwrite)
-    return atomic_save(restored.model, out_dir, tokenizer=tok, dtype=dtype, overwrite=overwrite)
+        return atomic_save_gguf(opened.model, out_dir, tokenizer=opened.tokenizer,
+                                gguf_type=gguf_type, overwrite=overwrite)
+    return atomic_save(opened.model, out_dir, tokenizer=opened.tokenizer, dtype=dtype,
+                       overwrite=overwrite)
 
 
 def export_model(source: str, out_dir: PathLike, *, dtype: str | None = None,

@@ -295,9 +295,9 @@ def run_iteration(
                            "metrics": str(result.metrics_path), "last": result.last_row,
                            "seconds": time.perf_counter() - t0})
     else:
-        from jaxrl_llm.train.checkpoint import restore_model
+        from jaxrl_llm.opener import open_checkpoint
 
-        new_model = restore_model(train_dir).model
+        new_model = open_checkpoint(str(train_dir), with_tokenizer=False).model
 
     if config.iterate.export and not log.done("export"):
         from jaxrl_llm.export import atomic_save
@@ -328,22 +328,19 @@ def run_iterations(
 ) -> tuple[dict[str, Any] | None, list[IterationResult]]:
     """(initial eval or None, one result per iteration). `model`/`tokenizer` default to the
     config's; a re-run continues from the last completed iteration's checkpoint."""
-    from jaxrl_llm.generate.loading import (
-        model_and_tokenizer,
-        task_from_config,
-        tokenizer_from_config,
-    )
+    from jaxrl_llm.opener import open_model, open_tokenizer
+    from jaxrl_llm.tasks import task_from_config
 
     task = task_from_config(config)
     if tokenizer is None:
-        tokenizer = tokenizer_from_config(config)
+        tokenizer = open_tokenizer(config)
     run_dir = as_path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.json",
                       json.dumps(config.model_dump(mode="json"), indent=2))
 
     def initial_model() -> Any:
-        return model if model is not None else model_and_tokenizer(config)[0]
+        return model if model is not None else open_model(None, config).model
 
     current = None
     host = None
@@ -385,9 +382,9 @@ def _iterate(config: IterateConfig, run_dir: epath.Path, task: Any, tokenizer: A
         if current is None:
             previous = run_dir / f"iter_{index - 1}" / "train"
             if index > 1 and StageLog(run_dir / f"iter_{index - 1}").done("train"):
-                from jaxrl_llm.train.checkpoint import restore_model
+                from jaxrl_llm.opener import open_checkpoint
 
-                current = restore_model(previous).model
+                current = open_checkpoint(str(previous), with_tokenizer=False).model
             else:
                 current = initial_model()
         result = run_iteration(config, index, current, tokenizer, task, progress=progress,

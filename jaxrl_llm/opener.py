@@ -1,4 +1,5 @@
-"""The one place that decides what a model path is, and opens it.
+"""The entry for a model: every command (generate, iterate, quickstart, score, evaluate,
+export) and the API open their model and tokenizer here, and only here.
 
 `open_model(source, config)` accepts what a user may hand any command:
 
@@ -9,10 +10,13 @@
 | `*.gguf` | one GGUF file | `weights.loading.load_model` (source gguf) |
 | a directory with `config.json` (local or `gs://`) | a Hugging Face directory (an export) | `weights.loading.load_model` (source hf) |
 | `org/name` | a Hugging Face Hub id (resolved from the HF cache) | `weights.hub` + source hf |
-| a run directory, its `checkpoints/`, or one step directory | an Orbax training checkpoint | `train.checkpoint.restore_model` |
+| a run directory, its `checkpoints/`, or one step directory | an Orbax training checkpoint | `train.checkpoint.restore_model` (`open_checkpoint`) |
 
 The config's numerics (dtypes, remat, layer scan, LoRA) apply to every pretrained source; a
-checkpoint brings the configuration it was trained with.
+checkpoint brings the configuration it was trained with. The tokenizer is the config's
+`data.tokenizer` (or `tokenizer=`), else the source's own (`weights.loading.load_tokenizer`),
+and must fit the model's vocabulary. `open_tokenizer` is the tokenizer alone (stages that
+need no weights: vLLM sampling, gold records, the training-time evaluation).
 """
 
 from __future__ import annotations
@@ -73,35 +77,68 @@ def model_section(config: Any, kind: Kind, path: str | None) -> Any:
 
 
 def open_model(source: str | None, config: Any, *, mesh: Any = None, tokenizer: str | None = None,
-               key: str = "model") -> OpenedModel:
+               key: str = "model", with_tokenizer: bool = True) -> OpenedModel:
     """The model and tokenizer `source` names (module docstring), on `mesh` when given (a
     checkpoint is restored onto it, or onto every local device's "fsdp" axis).
-    `tokenizer`: a tokenizer directory overriding the source's own."""
-    from jaxrl_llm.generate.loading import model_and_tokenizer, tokenizer_from_config
-    from jaxrl_llm.weights.loading import check_tokenizer_fits
+    `tokenizer`: a tokenizer directory overriding the source's own. `with_tokenizer=False`:
+    the model alone (`score`), `OpenedModel.tokenizer` None."""
+    from jaxrl_llm.weights.loading import load_model
 
     kind, path = classify(source, key=key)
     if kind == "checkpoint":
-        from jaxrl_llm.train.checkpoint import restore_model
-
-        restored = restore_model(path, mesh=mesh)
-        run_config = restored.config
-        if tokenizer is not None:
-            run_config = run_config.model_copy(update={
-                "data": run_config.data.model_copy(update={"tokenizer": tokenizer})})
-        tok = tokenizer_from_config(run_config)
-        check_tokenizer_fits(tok, restored.model.config.vocab_size,
-                             tokenizer_from=str(tokenizer or run_config.data.tokenizer or "char"),
-                             model_from=str(path))
-        return OpenedModel(restored.model, tok, restored.config, kind,
-                           {"model": str(path), "step": restored.step})
+        return open_checkpoint(path, mesh=mesh, tokenizer=tokenizer, with_tokenizer=with_tokenizer)
     name = path or (config.model.path if kind == "config" else "smollm2") or config.model.source
     if kind == "hf" and path is not None and is_remote(as_path(path)):
         path = str(copy_tree(as_path(path), tempfile.mkdtemp(prefix="jaxrl-model-")))
     if kind != "config":
         config = config.model_copy(update={"model": model_section(config, kind, path)})
-    if tokenizer is not None:
-        config = config.model_copy(update={"data": config.data.model_copy(
-            update={"tokenizer": tokenizer})})
-    model, tok = model_and_tokenizer(config, mesh=mesh)
+    config = with_tokenizer_named(config, tokenizer)
+    model, own = load_model(config.model, seed=config.seed, mesh=mesh)
+    tok = None
+    if with_tokenizer:
+        m = config.model
+        # a GGUF's own tokenizer was checked against its model by read_gguf
+        tok = own if own is not None and config.data.tokenizer is None else fitting_tokenizer(
+            config, model, model_from=str(m.path or f"model.source={m.source}"))
     return OpenedModel(model, tok, config, kind, {"model": str(name)})
+
+
+def open_checkpoint(path: str, *, step: int | None = None, mesh: Any = None,
+                    tokenizer: str | None = None, with_tokenizer: bool = True) -> OpenedModel:
+    """The policy of a training checkpoint (a run directory, its `checkpoints/`, or one step
+    directory; `step`: that step, default the latest) with the tokenizer it was trained with
+    (or `tokenizer`), in the configuration stored next to it."""
+    from jaxrl_llm.train.checkpoint import restore_model
+
+    restored = restore_model(path, step=step, mesh=mesh)
+    tok = fitting_tokenizer(with_tokenizer_named(restored.config, tokenizer), restored.model,
+                            model_from=str(path)) if with_tokenizer else None
+    return OpenedModel(restored.model, tok, restored.config, "checkpoint",
+                       {"model": str(path), "step": restored.step})
+
+
+def open_tokenizer(config: Any) -> Any:
+    """The tokenizer `open_model(None, config)` pairs with the config's model (`data.tokenizer`,
+    else the source's own), without loading the model."""
+    from jaxrl_llm.weights.loading import load_tokenizer
+
+    return load_tokenizer(config.model, config.data.tokenizer)
+
+
+def with_tokenizer_named(config: Any, tokenizer: str | None) -> Any:
+    """`config` with `data.tokenizer` set to `tokenizer` (unchanged when None)."""
+    if tokenizer is None:
+        return config
+    return config.model_copy(update={"data": config.data.model_copy(update={"tokenizer": tokenizer})})
+
+
+def fitting_tokenizer(config: Any, model: Any, *, model_from: str) -> Any:
+    """`open_tokenizer(config)`, refused (naming both files) when it has more tokens than
+    `model`'s embedding table."""
+    from jaxrl_llm.weights.loading import check_tokenizer_fits
+
+    tok = open_tokenizer(config)
+    check_tokenizer_fits(tok, model.config.vocab_size,
+                         tokenizer_from=str(config.data.tokenizer or config.model.path or "char"),
+                         model_from=model_from)
+    return tok

@@ -126,14 +126,14 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     from jaxrl_llm.eval.evaluate import evaluate_model
     from jaxrl_llm.generate.completions import gold_records
     from jaxrl_llm.iterate import StageLog, experiment_part
-    from jaxrl_llm.train.checkpoint import restore_model
+    from jaxrl_llm.opener import open_checkpoint
     from jaxrl_llm.train.trainer import Trainer
 
     s = config.sft
     sft_dir = run_dir / "sft"
     log = StageLog(sft_dir)
     if log.done("train"):
-        return restore_model(sft_dir / "run").model, log.stages["train"]
+        return open_checkpoint(str(sft_dir / "run"), with_tokenizer=False).model, log.stages["train"]
     records = sft_dir / "records"
     if not log.done("records"):
         problems = task.load(split="train", num=s.num_prompts, seed=config.seed + 1)
@@ -213,8 +213,9 @@ def run_quickstart(config: QuickstartConfig, *, progress: bool = True) -> dict[s
     """The whole flow; returns the paths and the before/after numbers (also `summary.json`)."""
     from jaxrl_llm.eval.evaluate import format_table
     from jaxrl_llm.eval.report import write_report
-    from jaxrl_llm.generate.loading import model_and_tokenizer, task_from_config
     from jaxrl_llm.iterate import run_iterations
+    from jaxrl_llm.opener import open_model
+    from jaxrl_llm.tasks import task_from_config
 
     t_start = time.perf_counter()
     run_dir = as_path(config.run_dir)
@@ -231,7 +232,8 @@ def run_quickstart(config: QuickstartConfig, *, progress: bool = True) -> dict[s
             model, _ = sft_warm_start(config, tokenizer, task, run_dir, progress=progress)
             timings["sft"] = time.perf_counter() - t0
     else:
-        model, tokenizer = model_and_tokenizer(config)
+        opened = open_model(None, config)
+        model, tokenizer = opened.model, opened.tokenizer
     t0 = time.perf_counter()
     before, results = run_iterations(config, model=model, tokenizer=tokenizer, progress=progress)
     timings["rl"] = time.perf_counter() - t0

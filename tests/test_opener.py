@@ -1,4 +1,5 @@
-"""`opener.classify`: the one decision of what a model path is, and its errors."""
+"""The opener: what a model path is (`classify`) and its errors, and that it is the one way
+commands open a model and its tokenizer."""
 
 from __future__ import annotations
 
@@ -41,3 +42,45 @@ def test_pretrained_sources_keep_the_config_numerics() -> None:
     assert (hf.source, hf.path, hf.param_dtype, hf.remat) == ("hf", "some/dir", "bfloat16", "full")
     assert model_section(config, "gguf", None).source == "smollm2"
     assert model_section(config, "gguf", "x.gguf").source == "gguf"
+
+
+def _callers(function: str) -> set[str]:
+    """The package files (relative to jaxrl_llm/) that call `function` by name."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "jaxrl_llm"
+    found = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if name == function:
+                    found.add(str(path.relative_to(root)))
+    return found
+
+
+def test_commands_open_models_only_through_the_opener() -> None:
+    """One way in: the weights loader is called by the opener and by train's `build_model`
+    alone, checkpoints are restored for a caller by the opener alone, and tokenizers are
+    chosen by the opener alone."""
+    assert _callers("load_model") == {"opener.py", "train/state.py"}
+    assert _callers("restore_model") == {"opener.py"}
+    assert _callers("load_tokenizer") == {"opener.py"}
+
+
+def test_a_random_model_gets_the_char_tokenizer() -> None:
+    import string
+
+    from jaxrl_llm.config import ExperimentConfig
+    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.opener import open_tokenizer
+
+    # 26 + 26 letters, 10 digits, 32 punctuation marks, space/newline/tab, and 4 specials
+    size = len(string.ascii_letters) + 10 + len(string.punctuation) + 3 + 4
+    assert size == 101
+    assert len(open_tokenizer(ExperimentConfig())) == size
+    assert len(open_tokenizer(ExperimentConfig(data={"tokenizer": "char"}))) == size
+    with pytest.raises(ConfigError, match=r"model\.vocab_size=64 is smaller than the char "
+                                          r"tokenizer \(101\)"):
+        open_tokenizer(ExperimentConfig(model={"vocab_size": 64}))

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.eval.during_training import eval_task
-    from jaxrl_llm.eval.evaluate import evaluate_model, load_model_and_tokenizer, write_eval
+    from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
+    from jaxrl_llm.opener import open_model
     from jaxrl_llm.paths import as_path
 
     overrides = list(args.overrides)
@@ -42,14 +43,15 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"eval.num_questions={args.num_questions}")
     config = load_experiment_config(args.config, overrides)
     e, g = config.eval, config.generate
-    model, tokenizer, info = load_model_and_tokenizer(args.model, config, args.tokenizer)
+    opened = open_model(args.model, config, tokenizer=args.tokenizer, key="--model")
+    model, tokenizer, info = opened.model, opened.tokenizer, opened.info
     task = eval_task(config)  # data.task, from eval.task_path when set
     problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
     temperature = g.temperature if e.temperature is None else e.temperature
     verifier = None
     if args.verifier is not None:
-        v_model, v_tok, _ = load_model_and_tokenizer(args.verifier, config)
-        verifier = (v_model, v_tok)
+        judge = open_model(args.verifier, config, key="--model")
+        verifier = (judge.model, judge.tokenizer)
     summary, graded = evaluate_model(
         model, tokenizer, task, problems, n=e.n, temperature=temperature,
         max_new_tokens=e.max_new_tokens or g.max_new_tokens,

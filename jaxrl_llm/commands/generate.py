@@ -24,11 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.config import ConfigError
-    from jaxrl_llm.generate.loading import (
-        model_and_tokenizer,
-        task_from_config,
-        tokenizer_from_config,
-    )
+    from jaxrl_llm.opener import open_model, open_tokenizer
+    from jaxrl_llm.tasks import task_from_config
 
     config = load_experiment_config(args.config, args.overrides)
     g, d = config.generate, config.data
@@ -40,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         from jaxrl_llm.data.shards import write_records
         from jaxrl_llm.generate.completions import gold_records
 
-        tokenizer = tokenizer_from_config(config)
+        tokenizer = open_tokenizer(config)
         problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
         manifest = write_records(out, gold_records(task, problems, tokenizer, eos_token_id=tokenizer.eos_token_id,
                                                        chat_template=d.chat_template),
@@ -59,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from jaxrl_llm.generate.jax_backend import generate_records
 
-    model, tokenizer = model_and_tokenizer(config)
+    opened = open_model(None, config)
+    model, tokenizer = opened.model, opened.tokenizer
     problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
     manifest = generate_records(
         model, tokenizer, task, problems, out, n=g.n, temperature=g.temperature, top_k=g.top_k,

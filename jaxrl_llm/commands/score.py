@@ -28,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.data.stages import scored_directory, stage_input
+    from jaxrl_llm.opener import open_model
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.preflight import check_all_records
     from jaxrl_llm.train.score import score_records
-    from jaxrl_llm.weights.loading import check_weights_found, decoder_config, load_model
+    from jaxrl_llm.weights.loading import check_weights_found, decoder_config
 
     config = load_experiment_config(args.config, args.overrides)
     mesh = make_mesh(config.mesh)  # the configuration (mesh, model) before any record is read
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or scored_directory(config, records)
     # Every record, before any is scored: an id past the model's vocabulary embeds as NaN.
     check_all_records(records, vocab_size)
-    model = load_model(config.model, seed=config.seed, mesh=mesh).model  # already sharded
+    model = open_model(None, config, mesh=mesh, with_tokenizer=False).model  # already sharded
     metrics = score_records(model, records, out, temperature=args.temperature,
                             batch_size=config.generate.score_batch_size,
                             chunk_size=config.loss.logprob_chunk_size,

@@ -26,9 +26,9 @@ def run(args: argparse.Namespace) -> int:
     hook = None
     if config.train.eval_every:  # held-out pass@1 ± SE every eval_every steps
         from jaxrl_llm.eval.during_training import make_eval_hook
-        from jaxrl_llm.generate.loading import tokenizer_from_config
+        from jaxrl_llm.opener import open_tokenizer
 
-        hook = make_eval_hook(config, tokenizer_from_config(config))
+        hook = make_eval_hook(config, open_tokenizer(config))
     trainer = Trainer(config, records=args.records, progress=not args.no_progress,
                       eval_hook=hook)
     try:

@@ -17,7 +17,7 @@ from typing import Any
 def eval_task(config: Any) -> Any:
     """The task evaluation reads: `data.task`, with `eval.task_path` instead of
     `data.task_path` when set (a local file holds one split: give the test file here)."""
-    from jaxrl_llm.generate.loading import task_from_config
+    from jaxrl_llm.tasks import task_from_config
 
     if config.eval.task_path is None:
         return task_from_config(config)

@@ -180,17 +180,6 @@ def write_eval(out_dir: PathLike, summary: dict[str, Any], graded: Graded | None
     return path
 
 
-def load_model_and_tokenizer(model_path: str | None, config: Any,
-                             tokenizer: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, tokenizer, info) of `model_path` as `opener.open_model` decides (None: the
-    config's model; an HF directory or Hub id, a GGUF, a run / checkpoint directory), the
-    config's numerics applied to pretrained sources."""
-    from jaxrl_llm.opener import open_model
-
-    opened = open_model(model_path, config, tokenizer=tokenizer, key="--model")
-    return opened.model, opened.tokenizer, opened.info
-
-
 def format_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """A plain-text before/after table of pass@1 ± SE, pass@k, maj@K and invalid rate."""
     header = ["", "pass@1 ± SE", "pass@n", "maj@K", "invalid"]

@@ -251,10 +251,10 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
         format_prompts,
         sampler_logprob_info,
     )
-    from jaxrl_llm.generate.loading import task_from_config
     from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
     from jaxrl_llm.progress import progress_bar
     from jaxrl_llm.signals import StopSignals
+    from jaxrl_llm.tasks import task_from_config
 
     g, d = config.generate, config.data
     seed = config.seed if seed is None else seed

@@ -94,7 +94,6 @@ def serve_iterations(config: Any, *, poll_seconds: float = 2.0, timeout: float |
 
     from jaxrl_llm.data.chunked import complete
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
-    from jaxrl_llm.generate.loading import task_from_config
     from jaxrl_llm.generate.vllm import (
         VllmEngine,
         engine_settings,
@@ -102,6 +101,7 @@ def serve_iterations(config: Any, *, poll_seconds: float = 2.0, timeout: float |
         needed_model_len,
     )
     from jaxrl_llm.generate.vllm_env import require_vllm
+    from jaxrl_llm.tasks import task_from_config
 
     g, d, iterations = config.generate, config.data, config.iterate.iterations
     install = require_vllm()

@@ -218,38 +218,3 @@ class DecoderConfig:
     def to_hf(self, *, dtype: str | None = None) -> dict[str, Any]:
         """The HF `config.json` dict for this architecture (transformers 5 and legacy keys)."""
         return hf_config_dict(self, dtype=dtype)
-
-    @classmethod
-    def from_model_config(cls, model: Any) -> DecoderConfig:
-        """A random-init config from the `model:` section (`jaxrl_llm.config.ModelConfig`)."""
-        return cls(
-            family=model.family,
-            vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
-            intermediate_size=model.intermediate_size,
-            num_layers=model.num_layers,
-            num_heads=model.num_heads,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            rope_theta=model.rope_theta,
-            rms_norm_eps=model.rms_norm_eps,
-            tie_embeddings=model.tie_embeddings,
-            qkv_bias=model.family == "qwen2",
-            qk_norm=model.family == "qwen3",
-            sliding_window=model.sliding_window,
-            layer_types=(
-                tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                      for i in range(model.num_layers))
-                if model.family == "gemma2" and model.sliding_window else None
-            ),
-            attn_logit_softcap=50.0 if model.family == "gemma2" else None,
-            final_logit_softcap=30.0 if model.family == "gemma2" else None,
-            query_pre_attn_scalar=None,
-            max_position_embeddings=model.max_position_embeddings,
-            hidden_act="gelu_tanh" if model.family == "gemma2" else "silu",
-            param_dtype=resolve_compute_dtype(model.param_dtype),
-            compute_dtype=resolve_compute_dtype(model.compute_dtype),
-            remat=model.remat,
-            scan_layers=model.scan_layers,
-            attention=getattr(model, "attention", "auto"),
-        )

@@ -11,6 +11,7 @@ from the stored vocabulary and merges, with the pre-tokenizer that `tokenizer.gg
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -205,6 +206,15 @@ def _wrap(
         clean_up_tokenization_spaces=False,
         **kwargs,
     )
+
+
+# Alphabet of the char tokenizer random-init models use by default: every task prompt fits.
+CHAR_ALPHABET = string.ascii_letters + string.digits + string.punctuation + " \n\t"
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """The default tokenizer of a random-init model (`data.tokenizer: char`)."""
+    return build_char_tokenizer(CHAR_ALPHABET)
 
 
 def _check_specials(specials: Sequence[str]) -> None:

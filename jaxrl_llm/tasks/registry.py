@@ -91,3 +91,24 @@ def get_task(name: str, **kwargs: Any) -> Task:
     module_name, class_name = _TASKS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(**kwargs)
+
+
+def task_from_config(config: Any) -> Task:
+    """The task an experiment config's `data` section names (`data.task`, `task_path`,
+    `task_options`, `reward_scheme`, `system_prompt`); a `ConfigError` naming those keys when
+    it cannot be built."""
+    from jaxrl_llm.errors import ConfigError
+
+    d = config.data
+    kwargs: dict[str, Any] = {"reward_scheme": d.reward_scheme, **d.task_options}
+    if d.task_path is not None:
+        kwargs["path"] = d.task_path
+    try:
+        task = get_task(d.task, **kwargs)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"data.task={d.task!r} / data.task_options: {err}") from err
+    if getattr(d, "system_prompt", None):
+        from jaxrl_llm.tasks.base import with_system_prompt
+
+        task = with_system_prompt(task, d.system_prompt)
+    return task

@@ -117,8 +117,9 @@ def master_dtypes(params: nnx.State, fp32: bool) -> tuple[str, ...]:
 
 def build_model(config: ExperimentConfig, *, weights: bool = True,
                 mesh: Mesh | None = None) -> nnx.Module:
-    """The policy named by `config.model` via the one entry point,
-    `weights.loading.load_model` (with `mesh`: every parameter already in its sharding).
+    """The policy named by `config.model`, loaded by the weights loader
+    `weights.loading.load_model` (with `mesh`: every parameter already in its sharding) with
+    `model.lora`'s adapters; train's only way to a model (commands open theirs in `opener`).
     `weights=False` builds a randomly initialised model of the same architecture (for
     `nnx.eval_shape` / `plan`)."""
     from jaxrl_llm.weights.loading import load_model

@@ -1,14 +1,17 @@
-"""The one way to build the policy a `model:` config section names.
+"""The weights loader: what `opener.open_model` (every command and the API) and
+`train.state.build_model` (train, plan, checkpoint restores) call to turn a `model:` config
+section into a policy and its tokenizer.
 
-Every command that needs the model (train, generate, score, evaluate, export, plan, iterate)
-goes through `load_model` (weights) or `decoder_config` (architecture only), so the
-section's numerics — `param_dtype`, `compute_dtype`, `remat`, `scan_layers` — mean the same
-for every source:
+This module is the one translator of the `model:` section: `weights_path` (where the files
+are), `numerics` (`param_dtype`, `compute_dtype`, `remat`, `scan_layers`, `attention`, the same
+for every source) and `decoder_config` (the architecture). `load_model` reads the weights,
+`load_tokenizer` picks the tokenizer:
 
-    random   a fresh `Decoder` of the section's architecture, seeded
+    random   a fresh `Decoder` of the section's architecture, seeded; the char tokenizer
     hf       a Hugging Face directory (`model.path`: config.json + *.safetensors), or a
-             Hub id (`org/name`, pinned by `model.revision`) resolved from the HF cache
-    gguf     a llama.cpp GGUF file (`model.path`)
+             Hub id (`org/name`, pinned by `model.revision`) resolved from the HF cache;
+             the directory's tokenizer files
+    gguf     a llama.cpp GGUF file (`model.path`) and the tokenizer it carries
     smollm2  the packaged SmolLM2-135M-Instruct GGUF (`model.path` overrides the file)
 
 With a `mesh`, each parameter goes straight into its `NamedSharding` by the logical-axis
@@ -51,7 +54,7 @@ def numerics(model_config: Any) -> dict[str, Any]:
     return {"param_dtype": resolve_compute_dtype(m.param_dtype),
             "compute_dtype": resolve_compute_dtype(m.compute_dtype),
             "remat": m.remat,
-            "scan_layers": m.scan_layers, "attention": m.attention}
+            "scan_layers": m.scan_layers, "attention": getattr(m, "attention", "auto")}
 
 
 def weights_path(model_config: Any, *, files: list[str] | None = None) -> str:
@@ -106,7 +109,7 @@ def decoder_config(model_config: Any) -> DecoderConfig:
     """
     m = model_config
     if m.source == "random":
-        return DecoderConfig.from_model_config(m)
+        return random_architecture(m)
     path = weights_path(m, files=["config.json"])  # a hub id: its config only
     if m.source == "hf" and (Path(path) / "config.json").is_file():
         from jaxrl_llm.weights.hf import read_hf_config
@@ -117,7 +120,30 @@ def decoder_config(model_config: Any) -> DecoderConfig:
         from jaxrl_llm.weights.gguf import gguf_hf_config
 
         return DecoderConfig.from_hf(gguf_hf_config(path), source=path, **numerics(m))
-    return DecoderConfig.from_model_config(m)
+    return random_architecture(m)
+
+
+def random_architecture(model_config: Any) -> DecoderConfig:
+    """The `DecoderConfig` the section's own architecture keys describe (source random, or a
+    pretrained file not reachable from this machine), with its numerics."""
+    m = model_config
+    gemma2 = m.family == "gemma2"
+    return DecoderConfig(
+        family=m.family, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
+        tie_embeddings=m.tie_embeddings,
+        qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3",
+        sliding_window=m.sliding_window,
+        # Gemma 2: local (sliding) attention on the even layers, global on the odd ones
+        layer_types=(tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                           for i in range(m.num_layers)) if gemma2 and m.sliding_window
+                     else None),
+        attn_logit_softcap=50.0 if gemma2 else None,
+        final_logit_softcap=30.0 if gemma2 else None,
+        query_pre_attn_scalar=None, max_position_embeddings=m.max_position_embeddings,
+        hidden_act="gelu_tanh" if gemma2 else "silu", **numerics(m))
 
 
 # The `model:` keys that describe the architecture (source random builds it from them).
@@ -189,12 +215,41 @@ def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
 def source_tokenizer(model_config: Any) -> Any | None:
     """The tokenizer a GGUF source carries (read without dequantising any weight); None for
     sources whose tokenizer lives elsewhere (random: the char tokenizer; hf: the directory's
-    tokenizer files, see `generate.loading.tokenizer_from_config`)."""
+    tokenizer files, see `load_tokenizer`)."""
     if model_config.source not in ("gguf", "smollm2"):
         return None
     from jaxrl_llm.weights.gguf import read_gguf
 
     return read_gguf(weights_path(model_config))[2]
+
+
+def load_tokenizer(model_config: Any, name: str | None = None) -> Any:
+    """`name` (the config's `data.tokenizer`: "char", a tokenizer directory or Hub id) when
+    set; else the source's own: the char tokenizer (random), the GGUF file's (gguf, smollm2;
+    read without its weights) or the tokenizer files of `model.path` (hf)."""
+    from jaxrl_llm.errors import ConfigError
+
+    m = model_config
+    if name == "char" or (name is None and m.source == "random"):
+        from jaxrl_llm.models.tokenizer import char_tokenizer
+
+        tok = char_tokenizer()
+        if len(tok) > m.vocab_size:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the char tokenizer ({len(tok)})")
+        return tok
+    if name is None and m.source in ("gguf", "smollm2"):
+        return source_tokenizer(m)
+    if name is None and m.path is None:
+        raise ConfigError("data.tokenizer (or model.path) must name a tokenizer directory")
+    if name is None:
+        path = weights_path(m)  # a hub id -> its cached snapshot (weights/hub.py)
+    else:
+        from jaxrl_llm.weights.hub import resolve_model_dir
+
+        path = resolve_model_dir(str(name), key="data.tokenizer")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str,
@@ -218,5 +273,5 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str
 
 __all__ = ["ARCHITECTURE_KEYS", "LoadedModel", "architecture_of", "check_tokenizer_fits",
            "check_weights_found",
-           "decoder_config", "load_model", "numerics",
-           "random_model", "source_tokenizer", "weights_path"]
+           "decoder_config", "load_model", "load_tokenizer", "numerics",
+           "random_architecture", "random_model", "source_tokenizer", "weights_path"]

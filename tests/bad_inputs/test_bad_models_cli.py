@@ -82,8 +82,7 @@ def write_hf(directory: str, *, config: Callable[[dict], None] | None = None,
 
 def small_tokenizer(extra: int = 0):
     """The char tokenizer (~100 tokens), plus `extra` single-character tokens."""
-    from jaxrl_llm.generate.loading import CHAR_ALPHABET
-    from jaxrl_llm.models.tokenizer import build_char_tokenizer
+    from jaxrl_llm.models.tokenizer import CHAR_ALPHABET, build_char_tokenizer
 
     return build_char_tokenizer(CHAR_ALPHABET + "".join(chr(0x400 + i) for i in range(extra)))
 

@@ -11,9 +11,9 @@ from flax import nnx
 from jaxrl_llm.data.shards import RecordSource, read_manifest, read_records
 from jaxrl_llm.generate.completions import gold_records
 from jaxrl_llm.generate.jax_backend import generate_records
-from jaxrl_llm.generate.loading import char_tokenizer
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.models.tokenizer import char_tokenizer
 from jaxrl_llm.tasks import get_task
 from jaxrl_llm.train.score import score_records
 

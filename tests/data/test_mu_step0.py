@@ -16,7 +16,8 @@ import pytest
 
 from jaxrl_llm.config import config_from_dict
 from jaxrl_llm.generate.jax_backend import generate_records
-from jaxrl_llm.generate.loading import model_and_tokenizer, task_from_config
+from jaxrl_llm.opener import open_model
+from jaxrl_llm.tasks import task_from_config
 from jaxrl_llm.train.score import score_records
 from jaxrl_llm.train.trainer import Trainer
 
@@ -45,7 +46,8 @@ def experiment(tmp: Path, dtype: str, loss: str, **generate: object) -> dict:
 
 def generate_and_score(tmp: Path, dtype: str, temperature: float) -> tuple[object, Path]:
     config = config_from_dict(experiment(tmp, dtype, "topr", temperature=temperature))
-    model, tokenizer = model_and_tokenizer(config)
+    opened = open_model(None, config)
+    model, tokenizer = opened.model, opened.tokenizer
     task = task_from_config(config)
     g = config.generate
     records = tmp / f"records-{dtype}-{temperature}"

@@ -167,9 +167,9 @@ def test_generation_manifests_say_whether_sampling_was_truncated(tmp_path):
     from flax import nnx
 
     from jaxrl_llm.generate.jax_backend import generate_records
-    from jaxrl_llm.generate.loading import char_tokenizer
     from jaxrl_llm.models.config import DecoderConfig
     from jaxrl_llm.models.decoder import Decoder
+    from jaxrl_llm.models.tokenizer import char_tokenizer
     from jaxrl_llm.tasks import get_task
 
     model = Decoder(DecoderConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,

@@ -13,9 +13,9 @@ from jaxrl_llm.tasks import get_task
 def test_evaluate_hf_dir_writes_consistent_eval_json(tmp_path, capsys):
     from flax import nnx
 
-    from jaxrl_llm.generate.loading import char_tokenizer
     from jaxrl_llm.models.config import DecoderConfig
     from jaxrl_llm.models.decoder import Decoder
+    from jaxrl_llm.models.tokenizer import char_tokenizer
     from jaxrl_llm.weights import hf
 
     tok = char_tokenizer()

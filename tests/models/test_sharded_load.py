@@ -1,4 +1,4 @@
-"""Pod-ready loading through the one entry point, `weights.loading.load_model`.
+"""Pod-ready loading through the weights loader, `weights.loading.load_model`.
 
 On 8 fake CPU devices (tests/conftest.py): pretrained weights go straight into their
 shardings (each device holds only its shard, the host reads only slices of the sharded
@@ -211,10 +211,11 @@ def test_random_source_is_initialised_in_place_with_the_same_values():
 
 
 def test_every_command_loads_through_load_model(hf_pair, tmp_path, monkeypatch):
-    """train (state), generate, evaluate (an HF directory) and export/plan (abstract) all call
-    `load_model`, so the section's numerics reach each of them."""
-    from jaxrl_llm.eval.evaluate import load_model_and_tokenizer
-    from jaxrl_llm.generate.loading import char_tokenizer, model_and_tokenizer
+    """train (state), the opener (the config's model: generate, score, iterate; an HF
+    directory: evaluate, export) and export/plan (abstract) all call `load_model`, so the
+    section's numerics reach each of them."""
+    from jaxrl_llm.models.tokenizer import char_tokenizer
+    from jaxrl_llm.opener import open_model
     from jaxrl_llm.train.state import abstract_train_state, create_train_state
 
     _, hf_dir = hf_pair
@@ -232,8 +233,8 @@ def test_every_command_loads_through_load_model(hf_pair, tmp_path, monkeypatch):
                                "mesh": {"data": 1, "fsdp": 8, "tensor": 1}})
     mesh = make_mesh(config.mesh)
     char_tokenizer().save_pretrained(str(tmp_path / "tok"))  # the tiny checkpoint has none
-    models = [create_train_state(config, mesh).model(), model_and_tokenizer(config)[0],
-              load_model_and_tokenizer(str(hf_dir), config, str(tmp_path / "tok"))[0]]
+    models = [create_train_state(config, mesh).model(), open_model(None, config).model,
+              open_model(str(hf_dir), config, tokenizer=str(tmp_path / "tok")).model]
     for model in models:
         assert model.config.scan_layers and model.config.compute_dtype == "bfloat16"
     abstract = abstract_train_state(config, mesh)

@@ -15,7 +15,7 @@ import yaml
 from jaxrl_llm.cli import main as cli_main
 from jaxrl_llm.config import ConfigError, config_from_dict
 from jaxrl_llm.data.shards import read_manifest, read_records
-from jaxrl_llm.generate.loading import task_from_config
+from jaxrl_llm.tasks import task_from_config
 
 # The documented protocol (docs/custom_tasks.md): a `Task` subclass with load, prompt, score.
 MODULE = textwrap.dedent('''

@@ -19,13 +19,13 @@ from jaxrl_llm.config import ConfigError, config_from_dict
 from jaxrl_llm.data.batch import records_view, token_record_mask
 from jaxrl_llm.data.loader import collate, collate_packed, record_row
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.parallel.distributed import global_batch
 from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.train.loss_fn import compute_loss
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import forward, make_train_step
+from jaxrl_llm.weights.loading import decoder_config
 
 VOCAB, MAX_LEN, K = 64, 24, 3
 # (prompt, completion) lengths; row length = prompt + completion − 1.
@@ -77,7 +77,7 @@ def decoder(config, seed: int) -> Decoder:
     """Random-init decoder with weights scaled up so attention and logits are far from uniform
     (a leak across segments would then show in every value)."""
     with nnx.use_eager_sharding(False):
-        model = Decoder(DecoderConfig.from_model_config(config.model), rngs=nnx.Rngs(seed))
+        model = Decoder(decoder_config(config.model), rngs=nnx.Rngs(seed))
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, state)
     return nnx.merge(graphdef, state)
