@@ -155,8 +155,15 @@ class LossConfig(Section):
     icepop_beta: float = Field(5.0, gt=0)
     # icepop: mask per token (ratio π_t/μ_t) or per record (ratio π(y)/μ(y), TRL's sequence_mask)
     icepop_level: Literal["token", "sequence"] = "token"
-    # m2po: second-moment budget τ_M2 of mean (log π/μ)² over the kept tokens (arXiv:2510.01161)
+    # icepop: token-mean over the batch's tokens (verl/TRL default, kept for existing runs) or
+    # seq-mean-token-mean, the paper's GRPO 1/G Σ_i 1/|o_i| Σ_t (arXiv:2510.18855)
+    icepop_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    # m2po: second-moment budget τ_M2 of mean (log π/μ)² over the kept tokens that m2po_mask
+    # covers (arXiv:2510.01161)
     m2po_tau: float = Field(0.04, gt=0)
+    # m2po: tokens the mask covers: trust_region (the paper's Algorithm 1: Â>0 & r>1 or Â<0 &
+    # r<1, the others always kept) or all_tokens (AReaL's Oct-2025 variant)
+    m2po_mask: Literal["trust_region", "all_tokens"] = "trust_region"
     # vespo: shape k of φ(W) = W^k e^{λ(1−W)} for records with advantage ≥ 0 (arXiv:2602.10693)
     vespo_k_pos: float = Field(2.0, ge=0)
     # vespo: rate λ of φ(W) for records with advantage ≥ 0

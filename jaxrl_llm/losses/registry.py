@@ -101,7 +101,7 @@ _SPECS = (
     _stale("cispo", "−sg(clip(r, 1−ε_low, 1+ε_high))·Â·log π, token mean (arXiv:2506.13585 eq. 4–5)"),
     _stale("gspo", "−min(sÂ, clip(s, 1±ε)Â), s = (π(y)/μ(y))^{1/|y|} (arXiv:2507.18071 eq. 5–7)"),
     _stale("icepop", "−1[α ≤ r ≤ β]·sg(r)·Â·log π, masked IS (arXiv:2510.18855)"),
-    _stale("m2po", "−M·r·Â, M drops the largest (log r)² until their mean ≤ τ (arXiv:2510.01161)",
+    _stale("m2po", "−M·r·Â, M drops the largest (log r)² of the tokens with Â·log r > 0 until their mean ≤ τ (arXiv:2510.01161)",
            full_batch=True),
     _stale("vespo", "−sg(φ(W))·Â·log π, W = π(y)/μ(y), φ = W^k e^{λ(1−W)} (arXiv:2602.10693)"),
     LossSpec("off_rl", off_rl.off_rl_loss, "off_rl",

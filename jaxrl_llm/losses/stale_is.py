@@ -38,6 +38,8 @@ from jaxrl_llm.losses.ppo import _clipped_surrogate, clip_bounds
 from jaxrl_llm.losses.types import LossOutput
 
 IcePopLevel = Literal["token", "sequence"]
+IcePopAggregation = Literal["token-mean", "seq-mean-token-mean"]
+M2POTokens = Literal["trust_region", "all_tokens"]
 sg = jax.lax.stop_gradient
 
 
@@ -166,13 +168,16 @@ def icepop_loss(
     alpha: Scalar = 0.5,
     beta: Scalar = 5.0,
     level: IcePopLevel = "token",
+    aggregation: IcePopAggregation = "token-mean",
     std_ddof: int = 0,
     advantages: Array | None = None,
     record_mask: Array | None = None,
     log_ratio_cap: float = LOG_RATIO_CAP,
 ) -> LossOutput:
     """IcePop (arXiv:2510.18855, masked importance sampling): per token
-    `−M(k)·sg(k)·Â·π_t/sg(π_t)` with `M(k) = 1[α ≤ k ≤ β]`, averaged over all tokens.
+    `−M(k)·sg(k)·Â·π_t/sg(π_t)` with `M(k) = 1[α ≤ k ≤ β]`, averaged over all tokens
+    (`aggregation="token-mean"`, the default) or, as the paper's GRPO objective
+    `1/G Σ_i 1/|o_i| Σ_t`, per record then over records (`"seq-mean-token-mean"`).
 
     The paper multiplies GRPO's clipped term by `M(k)` with `k = π_train(θ_old)/π_infer`; one
     update per batch makes θ_old = θ, so the PPO ratio is 1 (its clip inactive) and the term
@@ -182,6 +187,7 @@ def icepop_loss(
     Defaults α = 0.5, β = 5 are the paper's.
     """
     _choice("level", level, ("token", "sequence"))
+    _choice("aggregation", aggregation, ("token-mean", "seq-mean-token-mean"))
     check_interval(alpha, beta)
     m, rm, adv, ell = _prepare(logp, logmu, mask, rewards, group_ids, advantages, record_mask,
                                std_ddof)
@@ -191,7 +197,7 @@ def icepop_loss(
     lp = _masked(logp, m)
     # value M·k·Â, gradient M·k·Â·∇log π: k is a coefficient, as in TRL's detached is_ratio
     per_token = -jnp.where(keep, sg(k), 0.0) * adv[:, None] * jnp.exp(lp - sg(lp))
-    total, weight = aggregate(per_token, m, "token-mean", record_mask=rm)
+    total, weight = aggregate(per_token, m, aggregation, record_mask=rm)
     w = m * rm[:, None]
     metrics = _ratio_metrics(ell, w, adv, rm)
     metrics.update(
@@ -207,12 +213,13 @@ def icepop_loss(
 
 
 def m2po_keep_mask(log_ratio: Array, valid: Array, tau: Scalar) -> Array:
-    """M2PO's second-moment mask (arXiv:2510.01161, its masking loop): drop the tokens with the
-    largest `(log r)²` until the mean of `(log r)²` over the rest is ≤ τ.
+    """M2PO's drop loop over the tokens where `valid` (arXiv:2510.01161 Algorithm 1): while
+    the mean of `(log r)²` over them is > τ, drop the one with the largest `(log r)²`.
 
     The smallest such number k of dropped tokens is taken; when no k leaves a token (every
-    suffix mean > τ) all tokens are dropped. Ties break by position (a stable sort).
-    Returns the boolean keep mask, shape of `log_ratio`.
+    suffix mean > τ) all of them are dropped. Ties break by position (a stable sort, the
+    first of equal values dropped first). Returns the boolean keep mask, shape of
+    `log_ratio`; tokens outside `valid` are False (`m2po_loss` decides which tokens enter).
     """
     shape = jnp.shape(log_ratio)
     v = jnp.reshape(valid, (-1,))
@@ -228,17 +235,44 @@ def m2po_keep_mask(log_ratio: Array, valid: Array, tau: Scalar) -> Array:
     return jnp.reshape(v & (rank >= drop), shape)
 
 
+def m2po_trust_region(log_ratio: Array, advantages: Array, valid: Array) -> Array:
+    """The tokens the paper's M2PO constrains (arXiv:2510.01161 Algorithm 1; §5.2 "only
+    constrain trust-region tokens"): those an ascent step on `r·Â` pushes further from
+    r = 1, `(Â > 0 and r > 1) or (Â < 0 and r < 1)`. `log_ratio` [B, T] (log r, r = π/μ),
+    `advantages` [B]; a token with Â = 0 or r = 1 is outside."""
+    a = jnp.asarray(advantages)[:, None]
+    return valid & (((a > 0) & (log_ratio > 0)) | ((a < 0) & (log_ratio < 0)))
+
+
+def m2po_mask(log_ratio: Array, advantages: Array, valid: Array, tau: Scalar,
+              tokens: M2POTokens = "trust_region") -> Array:
+    """M2PO's keep mask `M` [B, T]: the drop loop (`m2po_keep_mask`) over the
+    `m2po_trust_region` tokens, every other valid token kept (`tokens="trust_region"`, the
+    paper's), or over every valid token (`"all_tokens"`, AReaL's)."""
+    _choice("mask_tokens", tokens, ("trust_region", "all_tokens"))
+    region = valid if tokens == "all_tokens" else m2po_trust_region(log_ratio, advantages, valid)
+    return (valid & ~region) | m2po_keep_mask(log_ratio, region, tau)
+
+
 def m2po_loss(
     logp: Array, logmu: Array, mask: Array, rewards: Array, group_ids: Array, *,
     tau: Scalar = 0.04,
+    mask_tokens: M2POTokens = "trust_region",
     std_ddof: int = 0,
     advantages: Array | None = None,
     record_mask: Array | None = None,
     log_ratio_cap: float = LOG_RATIO_CAP,
 ) -> LossOutput:
     """M2PO (arXiv:2510.01161): per token `−M_t·r_t·Â`, `r_t = π_t/μ_t` unclipped, averaged
-    over all completion tokens `1/Σ_i|o_i|` (AReaL's docs/en/algorithms/m2po.md objective);
-    `M` is `m2po_keep_mask` of `sg(log r_t)` over the batch's tokens with τ_M2 = 0.04 (paper).
+    over all completion tokens `1/Σ_i|o_i|` (AReaL's docs/en/algorithms/m2po.md objective),
+    τ_M2 = 0.04 (paper). `M` runs `m2po_keep_mask` on `sg(log r_t)`, r at the step (π_θ/μ):
+
+    - `mask_tokens="trust_region"` (default, the paper's Algorithm 1): the second moment and
+      the drop loop cover only the `m2po_trust_region` tokens; every other token is kept;
+    - `"all_tokens"` (AReaL's `_get_m2po_loss_mask`, Oct 2025): every completion token.
+
+    `metrics`: `m2` (all tokens), `m2_kept` (kept tokens), `masked_frac`, `region_frac` (the
+    share of tokens the mask covers: 1 with `all_tokens`).
 
     The mask couples every token of the batch, so the registry marks m2po `full_batch`.
     """
@@ -247,18 +281,20 @@ def m2po_loss(
         raise ValueError(f"tau must be > 0 (the second-moment budget τ_M2), got {t}")
     m, rm, adv, ell = _prepare(logp, logmu, mask, rewards, group_ids, advantages, record_mask,
                                std_ddof)
-    valid = m > 0
-    keep = m2po_keep_mask(sg(ell), valid, tau)
+    valid, log_r = m > 0, sg(ell)  # the mask reads r at the step under stop-gradient
+    keep = m2po_mask(log_r, adv, valid, tau, mask_tokens)
+    region = valid if mask_tokens == "all_tokens" else m2po_trust_region(log_r, adv, valid)
     r = jnp.exp(jnp.minimum(ell, log_ratio_cap))
     per_token = -jnp.where(keep, r, 0.0) * adv[:, None]
     total, weight = aggregate(per_token, m, "token-mean", record_mask=rm)
     w = m * rm[:, None]
-    sq = jnp.square(sg(ell))
+    sq = jnp.square(log_r)
     metrics = _ratio_metrics(ell, w, adv, rm)
     metrics.update(
         m2=_wmean(sq, w),
         m2_kept=_wmean(sq, w * keep),
         masked_frac=_wmean((valid & ~keep).astype(jnp.float32), w),
+        region_frac=_wmean(region.astype(jnp.float32), w),
     )
     return LossOutput(total, weight, metrics)
 

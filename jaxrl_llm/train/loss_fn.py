@@ -209,8 +209,9 @@ def _stale_is(spec: LossSpec, x: _Inputs) -> LossOutput:
     options: dict[str, Any] = {
         "cispo": {"eps_low": lc.cispo_eps_low, "eps_high": lc.cispo_eps_high},
         "gspo": {"eps_low": lc.gspo_eps_low, "eps_high": lc.gspo_eps_high},
-        "icepop": {"alpha": lc.icepop_alpha, "beta": lc.icepop_beta, "level": lc.icepop_level},
-        "m2po": {"tau": lc.m2po_tau},
+        "icepop": {"alpha": lc.icepop_alpha, "beta": lc.icepop_beta, "level": lc.icepop_level,
+                   "aggregation": lc.icepop_aggregation},
+        "m2po": {"tau": lc.m2po_tau, "mask_tokens": lc.m2po_mask},
         "vespo": {"k_pos": lc.vespo_k_pos, "lambda_pos": lc.vespo_lambda_pos,
                   "k_neg": lc.vespo_k_neg, "lambda_neg": lc.vespo_lambda_neg},
     }[spec.name]

@@ -104,10 +104,14 @@ def brute_m2_keep(log_r, valid, tau):
     return keep
 
 
-def ref_m2po(lp, lm, m, adv, tau=0.04):
-    """J = 1/Σ|o_i| Σ_i Σ_t M_it r_it Â_i (AReaL docs/en/algorithms/m2po.md, arXiv:2510.01161)."""
+def ref_m2po(lp, lm, m, adv, tau=0.04, mask_tokens="trust_region"):
+    """J = 1/Σ|o_i| Σ_i Σ_t M_it r_it Â_i (AReaL docs/en/algorithms/m2po.md, arXiv:2510.01161);
+    the paper's loop (default) runs over the tokens with Â·log r > 0 only, keeping the rest."""
     n = m.sum()
-    keep = brute_m2_keep(lp - lm, m > 0, tau)
+    covered = m > 0
+    if mask_tokens == "trust_region":
+        covered &= adv[:, None] * (lp - lm) > 0
+    keep = brute_m2_keep(lp - lm, covered, tau) | ((m > 0) & ~covered)
     r = np.exp(lp - lm)
     return float(np.sum(-(keep * r) * adv[:, None])) / n, -(keep * r) * adv[:, None] / n
 
@@ -137,7 +141,8 @@ REFS = {"cispo": ref_cispo, "gspo": ref_gspo, "icepop": ref_icepop, "m2po": ref_
     ("gspo", {}), ("gspo", {"eps_low": 0.05, "eps_high": 0.05}),
     ("icepop", {}), ("icepop", {"alpha": 0.8, "beta": 1.3}),
     ("icepop", {"level": "sequence", "alpha": 0.3, "beta": 3.0}),
-    ("m2po", {}), ("m2po", {"tau": 0.1}),
+    ("m2po", {}), ("m2po", {"tau": 0.1}), ("m2po", {"mask_tokens": "all_tokens"}),
+    ("m2po", {"mask_tokens": "all_tokens", "tau": 0.1}),
     ("vespo", {}), ("vespo", {"k_pos": 1.0, "lambda_pos": 0.5, "k_neg": 5.0, "lambda_neg": 4.0}),
 ])
 def test_value_and_gradient_match_the_equation(name, kw, seed):
@@ -301,9 +306,11 @@ def test_m2po_mask_matches_the_brute_force_loop(seed):
 
 
 def test_m2po_all_tokens_dropped_gives_zero_loss():
+    """AReaL's all-token mask: (log r)² = 1 everywhere, every suffix mean 1 > τ: all dropped
+    (the paper's trust-region mask: tests/losses/test_stale_is_paper_options.py)."""
     lp, lm, m, rewards, g = one_record([1.0, -1.0])
     lp[1] = lm[1] + 1.0
-    out, val, grad = run("m2po", lp, lm, m, rewards, groups=g)
+    out, val, grad = run("m2po", lp, lm, m, rewards, groups=g, mask_tokens="all_tokens")
     assert val == 0.0 and np.all(grad == 0) and float(out.metrics["masked_frac"]) == 1.0
     assert float(out.weight) == 4.0  # the dropped tokens still count in 1/Σ|o_i|
 
@@ -342,6 +349,10 @@ def test_kernel_arguments_are_checked():
         run("icepop", lp, lm, m, rewards, level="geometric")
     with pytest.raises(ValueError, match="tau must be > 0"):
         run("m2po", lp, lm, m, rewards, tau=0.0)
+    with pytest.raises(ValueError, match="mask_tokens must be one of"):
+        run("m2po", lp, lm, m, rewards, mask_tokens="paper")
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        run("icepop", lp, lm, m, rewards, aggregation="seq-mean-token-sum")
     with pytest.raises(ValueError, match="clip_eps_high must satisfy"):
         run("gspo", lp, lm, m, rewards, eps_high=-1e-4)
     with pytest.raises(ValueError, match="group_ids must have shape"):
@@ -354,6 +365,12 @@ def test_kernel_arguments_are_checked():
     (["loss.name=cispo", "loss.cispo_eps_high=-0.1"], "loss.cispo_eps_high"),
     (["loss.name=gspo", "loss.gspo_eps_low=1.5"], "loss.gspo_eps_low"),
     (["loss.name=m2po", "loss.m2po_tau=0"], "loss.m2po_tau"),
+    (["loss.name=m2po", "loss.m2po_mask=paper"], "loss.m2po_mask"),
+    (["loss.name=icepop", "loss.icepop_aggregation=seq-mean-token-sum"],
+     "loss.icepop_aggregation"),
+    (["loss.name=icepop", "loss.m2po_mask=all_tokens"], "loss.m2po_mask"),
+    (["loss.name=m2po", "loss.icepop_aggregation=seq-mean-token-mean"],
+     "loss.icepop_aggregation"),
     (["loss.name=vespo", "loss.vespo_lambda_neg=0"], "loss.vespo_lambda_neg"),
     (["loss.name=grpo", "loss.m2po_tau=0.1"], "loss.m2po_tau"),
     (["loss.name=cispo", "loss.gspo_eps_low=0.1"], "loss.gspo_eps_low"),
@@ -373,13 +390,15 @@ def test_config_defaults_reach_the_kernels():
     pairs = {"cispo": {"eps_low": lc.cispo_eps_low, "eps_high": lc.cispo_eps_high},
              "gspo": {"eps_low": lc.gspo_eps_low, "eps_high": lc.gspo_eps_high},
              "icepop": {"alpha": lc.icepop_alpha, "beta": lc.icepop_beta,
-                        "level": lc.icepop_level},
-             "m2po": {"tau": lc.m2po_tau},
+                        "level": lc.icepop_level, "aggregation": lc.icepop_aggregation},
+             "m2po": {"tau": lc.m2po_tau, "mask_tokens": lc.m2po_mask},
              "vespo": {"k_pos": lc.vespo_k_pos, "lambda_pos": lc.vespo_lambda_pos,
                        "k_neg": lc.vespo_k_neg, "lambda_neg": lc.vespo_lambda_neg}}
     assert pairs["gspo"] == {"eps_low": 3e-4, "eps_high": 4e-4}  # arXiv:2507.18071
-    assert pairs["icepop"] == {"alpha": 0.5, "beta": 5.0, "level": "token"}  # arXiv:2510.18855
-    assert pairs["m2po"] == {"tau": 0.04}  # arXiv:2510.01161
+    # arXiv:2510.18855's α, β; token-mean kept for existing runs (docs/kernels.md § IcePop)
+    assert pairs["icepop"] == {"alpha": 0.5, "beta": 5.0, "level": "token",
+                               "aggregation": "token-mean"}
+    assert pairs["m2po"] == {"tau": 0.04, "mask_tokens": "trust_region"}  # arXiv:2510.01161
     assert pairs["vespo"] == {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
     for name, options in pairs.items():
         sig = inspect.signature(LOSS_SPECS[name].kernel)
