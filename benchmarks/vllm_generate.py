@@ -2,7 +2,7 @@
 process, same weights, prompts, sampling and dtype.
 
 Weights: the packaged SmolLM2-135M-Instruct GGUF exported to an HF directory by this project
-(`jaxrl_llm.export.atomic_save`), which both load (ours: `weights.hf.load_pretrained`; vLLM:
+(`jaxrl_llm.policy.export.atomic_save`), which both load (ours: `weights.hf.load_pretrained`; vLLM:
 `generate.vllm.VllmEngine`, with the settings `jaxrl-llm generate` uses: every core bound, none
 reserved, engine in-process). Rows:
 
@@ -49,7 +49,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def export_smollm2(out: Path, dtype: str) -> Path:
     from jaxrl_llm.config import config_from_dict
-    from jaxrl_llm.export import atomic_save
+    from jaxrl_llm.policy.export import atomic_save
     from jaxrl_llm.weights.loading import load_model
 
     loaded = load_model(config_from_dict({"model": {"source": "smollm2", "param_dtype": dtype,

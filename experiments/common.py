@@ -107,7 +107,7 @@ def warm_model_section(warm: dict[str, Any]) -> dict[str, Any]:
 # The quickstart's testbed (`jaxrl-llm quickstart`'s policy before RL): a 4-layer, 128-wide
 # Llama (0.83M parameters) on a byte-level BPE tokenizer trained on the task's text, SFT-warmed
 # on gold solutions of one- or two-operation arithmetic (operands 1–9) until pass@1 ≥ 0.2 on
-# 64 validation questions. Built by `jaxrl_llm.quickstart`'s own functions (`build_tokenizer`,
+# 64 validation questions. Built by `jaxrl_llm.flows.quickstart`'s own functions (`build_tokenizer`,
 # `sft_warm_start`) from `QUICKSTART_DEFAULTS`; smoke → fewer SFT steps and gold prompts.
 QUICKSTART_SMOKE_OVERRIDES = ["sft.steps=10", "sft.num_prompts=64", "sft.batch_size=8", "sft.eval_every=10",
                               "sft.eval_questions=8", "sft.eval_n=2"]
@@ -132,13 +132,13 @@ def warm_policy_quickstart(cache: Path, *, smoke: bool = False,
     are the config sections experiments on this policy use (`quickstart_sections`).
     `smoke_overrides` replace `QUICKSTART_SMOKE_OVERRIDES` (a smoke policy that answers)."""
     from jaxrl_llm.eval.evaluate import evaluate_model
-    from jaxrl_llm.export import atomic_save
-    from jaxrl_llm.quickstart import (
+    from jaxrl_llm.flows.quickstart import (
         QUICKSTART_DEFAULTS,
         build_tokenizer,
         load_quickstart_config,
         sft_warm_start,
     )
+    from jaxrl_llm.policy.export import atomic_save
     from jaxrl_llm.tasks import task_from_config
 
     cache = cache.resolve()
@@ -312,7 +312,7 @@ def train_with_probe(config: Any, probe: Callable[[Any], dict[str, float]], *, e
 
 def load_policy(path: str, config: Any) -> Any:
     """The model of an HF directory with the config's numerics (the loader `evaluate` uses)."""
-    from jaxrl_llm.opener import open_model
+    from jaxrl_llm.policy.opener import open_model
 
     return open_model(path, config, key="--model").model
 

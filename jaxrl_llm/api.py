@@ -23,9 +23,9 @@ import jax
 import numpy as np
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.opener import OpenedModel, open_model
-from jaxrl_llm.paths import as_path
+from jaxrl_llm.policy.opener import OpenedModel, open_model
 
 __all__ = ["Policy", "Samples", "load_policy", "restore_state", "transform_rewards"]
 
@@ -293,7 +293,7 @@ class Policy:
     def export(self, out_dir: str, *, dtype: str | None = None, overwrite: bool = False) -> str:
         """The current policy as a Hugging Face directory (atomic, `export.atomic_save`;
         LoRA adapters merged)."""
-        from jaxrl_llm.export import atomic_save
+        from jaxrl_llm.policy.export import atomic_save
 
         return str(atomic_save(self.model, out_dir, tokenizer=self.tokenizer, dtype=dtype,
                                overwrite=overwrite))

@@ -75,7 +75,7 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
 
 
 def _norm(path: str | None) -> str | None:
-    from jaxrl_llm.paths import absolute
+    from jaxrl_llm.core.paths import absolute
 
     return None if path is None else absolute(path).rstrip("/")
 

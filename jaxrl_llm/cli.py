@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxrl_llm.signals import EXIT_SIGINT, CtrlCOutsideImports
+    from jaxrl_llm.core.signals import EXIT_SIGINT, CtrlCOutsideImports
 
     # Ctrl-C while jaxlib or array_record initialise crashed the process (SIGSEGV/SIGABRT)
     # instead of exiting 130: a Ctrl-C that lands inside an import is re-delivered after it.
@@ -73,9 +73,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if extra:
         args.overrides = [*(args.overrides or []), *extra]
     module = importlib.import_module(args._module)
+    from jaxrl_llm.core.errors import ConfigError, ModelFileError
+    from jaxrl_llm.core.signals import EXIT_SIGINT, Interrupted, exit_code, last_signal
     from jaxrl_llm.data.records import RecordError
-    from jaxrl_llm.errors import ConfigError, ModelFileError
-    from jaxrl_llm.signals import EXIT_SIGINT, Interrupted, exit_code, last_signal
     from jaxrl_llm.train.preemption import Preempted
 
     try:

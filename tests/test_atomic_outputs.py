@@ -1,5 +1,5 @@
 """Atomic outputs: every export, manifest, results and report file is written under a temporary
-name and renamed (`jaxrl_llm/atomic.py`). A writer that fails or is SIGKILLed mid-write leaves
+name and renamed (`jaxrl_llm/core/atomic.py`). A writer that fails or is SIGKILLed mid-write leaves
 the old file intact (or no file at all), and no writer in the package bypasses the helper."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_llm import atomic
+from jaxrl_llm.core import atomic
 from tests.reliability import record
 
 pytestmark = pytest.mark.reliability
@@ -65,7 +65,7 @@ def _plot(path: Path) -> None:
 
 
 def _iterate_stages(path: Path) -> None:
-    from jaxrl_llm.iterate import StageLog
+    from jaxrl_llm.flows.iterate import StageLog
 
     StageLog(path.parent).mark("train", {"steps": 3})
 
@@ -123,7 +123,7 @@ def test_atomic_open_failing_block_leaves_old_file(tmp_path):
 
 
 def test_export_directory_killed_mid_save_keeps_the_old_export(tmp_path, monkeypatch):
-    from jaxrl_llm.export import atomic_save
+    from jaxrl_llm.policy.export import atomic_save
     from jaxrl_llm.weights import hf
 
     out = tmp_path / "export"
@@ -158,7 +158,7 @@ def test_export_directory_killed_mid_save_keeps_the_old_export(tmp_path, monkeyp
 SIGKILLED_WRITER = textwrap.dedent(
     """
     import os, signal, sys
-    from jaxrl_llm import atomic
+    from jaxrl_llm.core import atomic
 
     def half_then_sigkill(f, data):
         f.write(data[: len(data) // 2])
@@ -217,9 +217,9 @@ FILE_WRITERS = {("np", "save"), ("np", "savez"), ("numpy", "save"), ("json", "du
                 ("yaml", "dump"), ("yaml", "safe_dump")}
 # (file under jaxrl_llm/, call) -> why it is not an atomic-helper write (atomic.py is exempt).
 ALLOWED = {
-    ("export.py", "save_pretrained"): "hf.save_pretrained into atomic_directory's temporary "
+    ("policy/export.py", "save_pretrained"): "hf.save_pretrained into atomic_directory's temporary "
     "directory",
-    ("export.py", "write_bytes"): "a staged GGUF copied to a remote object (objects appear "
+    ("policy/export.py", "write_bytes"): "a staged GGUF copied to a remote object (objects appear "
     "whole)",
     ("weights/lora_export.py", "save_file"): "PEFT adapter files, written inside the export's "
     "temporary directory (export._save_local)",
@@ -229,17 +229,17 @@ ALLOWED = {
     ("weights/hf_export.py", "write_text"): "as above",
     ("weights/hf_export.py", "copyfile"): "as above",
     ("weights/hf_export.py", "save_pretrained"): "as above (the tokenizer's files)",
-    ("quickstart.py", "save_pretrained"): "into atomic_directory's temporary directory",
+    ("flows/quickstart.py", "save_pretrained"): "into atomic_directory's temporary directory",
     ("eval/plots.py", "savefig"): "into an in-memory buffer, then atomic_write_bytes",
     ("data/shards.py", "save"): "np.save into an in-memory buffer, then atomic_write_bytes",
     ("data/shards.py", "ArrayRecordWriter"): "shards are complete before the manifest, "
     "written last and atomically, names them (write_shard also renames a .tmp)",
     ("train/metrics_log.py", "open"): "append-only log; readers drop a torn last line",
     ("train/metrics_log.py", "write_text"): "remote object rewrite (objects appear whole)",
-    ("paths.py", "open"): "append_text: append-only logs",
+    ("core/paths.py", "open"): "append_text: append-only logs",
     ("generate/vllm_host.py", "open"): "the host's lock file (flock, holds a pid) and its "
     "append-only log",
-    ("paths.py", "write_text"): "append_text on a remote object (objects appear whole)",
+    ("core/paths.py", "write_text"): "append_text on a remote object (objects appear whole)",
 }
 
 
@@ -274,7 +274,7 @@ def test_no_writer_bypasses_the_atomic_helper():
     bypass = []
     for f in sorted(PACKAGE.rglob("*.py")):
         rel = f.relative_to(PACKAGE).as_posix()
-        if rel == "atomic.py":  # the helper itself
+        if rel == "core/atomic.py":  # the helper itself
             continue
         for line, call in direct_writes(f.read_text(encoding="utf-8")):
             if (rel, call) not in ALLOWED:
@@ -285,9 +285,9 @@ def test_no_writer_bypasses_the_atomic_helper():
                              "yaml.safe_dump(d)\nmanager.save(step)")
     record(SECTION, "AST audit of writers in jaxrl_llm/", runs=1, failures=int(bool(bypass)),
            detail="write_text/write_bytes/open(w)/json.dump/np.save/save_file/savefig/"
-           "save_pretrained outside jaxrl_llm/atomic.py only where allowed with a reason "
+           "save_pretrained outside jaxrl_llm/core/atomic.py only where allowed with a reason "
            "(into a temporary directory or buffer, append-only logs, remote objects)")
-    assert not bypass, "write through jaxrl_llm/atomic.py:\n" + "\n".join(bypass)
+    assert not bypass, "write through jaxrl_llm/core/atomic.py:\n" + "\n".join(bypass)
 
 
 def test_hf_exporter_is_called_only_through_the_atomic_directory():
@@ -295,4 +295,4 @@ def test_hf_exporter_is_called_only_through_the_atomic_directory():
     for f in sorted(PACKAGE.rglob("*.py")):
         if "save_pretrained(" in f.read_text(encoding="utf-8") and f.parent.name not in ("models", "weights"):  # the exporters themselves
             callers.append(f.relative_to(PACKAGE).as_posix())
-    assert callers == ["export.py", "quickstart.py"], callers  # both inside atomic_directory
+    assert callers == ["flows/quickstart.py", "policy/export.py"], callers  # both inside atomic_directory

@@ -1,4 +1,4 @@
-"""Ctrl-C while a compiled extension initialises (jaxrl_llm/signals.py `CtrlCOutsideImports`).
+"""Ctrl-C while a compiled extension initialises (jaxrl_llm/core/signals.py `CtrlCOutsideImports`).
 
 Python raises `KeyboardInterrupt` at the next bytecode, which can be inside jaxlib's MLIR
 bindings while they build their enums: the extension is left half-built and the process
@@ -66,7 +66,7 @@ def test_ctrl_c_inside_jaxlib_init_exits_130_through_the_cli(tmp_path):
 def test_a_swallowed_ctrl_c_is_raised_again_at_the_end(tmp_path):
     script = textwrap.dedent("""
         import os, signal, time
-        from jaxrl_llm.signals import CtrlCOutsideImports
+        from jaxrl_llm.core.signals import CtrlCOutsideImports
         with CtrlCOutsideImports(retry_s=60.0) as guard:
             try:  # as a library's broad `except` would: the KeyboardInterrupt is dropped
                 os.kill(os.getpid(), signal.SIGINT)
@@ -97,7 +97,7 @@ def test_a_ctrl_c_inside_an_import_arrives_after_it(tmp_path):
     """))
     script = textwrap.dedent("""
         import sys, time
-        from jaxrl_llm.signals import CtrlCOutsideImports
+        from jaxrl_llm.core.signals import CtrlCOutsideImports
         with CtrlCOutsideImports():
             try:
                 import slow_module
@@ -119,7 +119,7 @@ def test_a_ctrl_c_still_waiting_when_the_command_ends_is_not_lost(tmp_path):
         os.kill(os.getpid(), signal.SIGINT)
     """))
     script = textwrap.dedent("""
-        from jaxrl_llm.signals import CtrlCOutsideImports
+        from jaxrl_llm.core.signals import CtrlCOutsideImports
         with CtrlCOutsideImports(retry_s=60.0) as guard:  # no re-delivery before the end
             import kill_at_end
             try:

@@ -3,9 +3,8 @@
 Every `import` / `from … import` statement counts, the ones inside functions too (the package
 imports lazily to keep `--help` fast, and a lazy import is still a dependency). Nodes are the
 subpackages (`losses`, `models`, …) and the top-level modules (`config`, `export`, …).
-Module names kept as strings for `importlib`/`runpy` (the command table of `cli.py`, `--schema`
-in `commands/config.py`, the `python -m jaxrl_llm.generate.vllm` entry point) are the command
-layer's dispatch and are not counted.
+Module names kept as strings for `importlib` (the command table of `commands/__init__.py`,
+`--schema` in `commands/config.py`) are the command layer's dispatch and are not counted.
 """
 
 from __future__ import annotations
@@ -160,20 +159,34 @@ def test_the_graph_sees_the_package() -> None:
     assert "losses" in graph["train"] and "models" in graph["train"]  # known real edges
 
 
+def test_the_top_level_holds_only_entry_points() -> None:
+    """Loose modules at the top are the three entry points; everything else sits in a package
+    whose floor its name says (`core` at the bottom, `flows` at the top: docs/architecture.md)."""
+    loose = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert loose == {"api", "cli", "chain"}, loose
+
+
+def test_core_is_the_floor() -> None:
+    graph = import_graph()
+    assert not graph["core"], "core must import nothing else of the package: " + _describe(
+        graph, "core", set(graph["core"]))
+
+
 def test_losses_is_a_leaf_and_models_imports_only_parallel_and_errors() -> None:
     graph = import_graph()
     assert not graph["losses"], "losses must import nothing of the package: " + _describe(
         graph, "losses", set(graph["losses"]))
-    # models must not read experiment configs: ConfigError comes from `errors`, not `config`
-    extra = set(graph["models"]) - {"parallel", "errors"}
-    assert not extra, "models may import only parallel and errors: " + _describe(
+    # models must not read experiment configs: ConfigError comes from `core.errors`, not `config`
+    extra = set(graph["models"]) - {"parallel", "core"}
+    assert not extra, "models may import only parallel and core: " + _describe(
         graph, "models", extra)
     assert "config" not in graph["parallel"], "parallel reads its sizes, not the config: " + (
         _describe(graph, "parallel", {"config"}))
 
 
-@pytest.mark.parametrize("package", ["losses", "models", "weights", "sampling", "parallel", "data",
-                                     "tasks", "generate", "online", "train", "eval", "commands"])
+@pytest.mark.parametrize("package", ["core", "config", "losses", "models", "weights", "sampling",
+                                     "parallel", "data", "tasks", "generate", "train", "policy",
+                                     "eval", "online", "flows", "plan", "commands"])
 def test_docs_module_map_lists_exactly_the_imports(package: str) -> None:
     documented = documented_dependencies()
     assert package in documented, f"docs/architecture.md module map has no row for `{package}/`"

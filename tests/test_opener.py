@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_llm.opener import classify, model_section
+from jaxrl_llm.policy.opener import classify, model_section
 
 
 def test_each_kind_of_source(tmp_path: Path, monkeypatch) -> None:
@@ -64,17 +64,17 @@ def test_commands_open_models_only_through_the_opener() -> None:
     """One way in: the weights loader is called by the opener and by train's `build_model`
     alone, checkpoints are restored for a caller by the opener alone, and tokenizers are
     chosen by the opener alone."""
-    assert _callers("load_model") == {"opener.py", "train/state.py"}
-    assert _callers("restore_model") == {"opener.py"}
-    assert _callers("load_tokenizer") == {"opener.py"}
+    assert _callers("load_model") == {"policy/opener.py", "train/state.py"}
+    assert _callers("restore_model") == {"policy/opener.py"}
+    assert _callers("load_tokenizer") == {"policy/opener.py"}
 
 
 def test_a_random_model_gets_the_char_tokenizer() -> None:
     import string
 
     from jaxrl_llm.config import ExperimentConfig
-    from jaxrl_llm.errors import ConfigError
-    from jaxrl_llm.opener import open_tokenizer
+    from jaxrl_llm.core.errors import ConfigError
+    from jaxrl_llm.policy.opener import open_tokenizer
 
     # 26 + 26 letters, 10 digits, 32 punctuation marks, space/newline/tab, and 4 specials
     size = len(string.ascii_letters) + 10 + len(string.punctuation) + 3 + 4

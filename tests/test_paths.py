@@ -22,7 +22,7 @@ from etils import epath
 from etils.epath import testing as epath_testing
 
 from jaxrl_llm.config import ConfigError, config_from_dict, load_config
-from jaxrl_llm.paths import (
+from jaxrl_llm.core.paths import (
     RUN_PATH_KEYS,
     absolute,
     as_path,
@@ -144,10 +144,10 @@ def test_absolute_and_as_path(tmp_path, monkeypatch):
 # -- gs:// end to end against the fake GCS -------------------------------------------------------
 
 def test_metrics_log_eval_report_and_stage_log_on_gs(tmp_path, monkeypatch):
+    from jaxrl_llm.core.paths import append_text
     from jaxrl_llm.eval.evaluate import write_eval
     from jaxrl_llm.eval.report import write_report
-    from jaxrl_llm.iterate import StageLog
-    from jaxrl_llm.paths import append_text
+    from jaxrl_llm.flows.iterate import StageLog
     from jaxrl_llm.train.metrics_log import MetricsLogger
 
     store, cwd = tmp_path / "store", tmp_path / "cwd"
@@ -286,7 +286,7 @@ class RecordingManager:
 
 
 def test_gs_run_dir_reaches_every_writer_as_gs(tmp_path, monkeypatch, records_dir):
-    from jaxrl_llm.export import atomic_save
+    from jaxrl_llm.policy.export import atomic_save
     from jaxrl_llm.train import checkpoint as checkpoint_module
     from jaxrl_llm.train.trainer import Trainer
 

@@ -20,9 +20,9 @@ from jaxrl_llm.config import ConfigError, load_config
 # --schema name -> "module:class"; imported on use so `--help` stays fast.
 SCHEMAS: dict[str, str] = {
     "experiment": "jaxrl_llm.config:ExperimentConfig",
-    "iterate": "jaxrl_llm.iterate:IterateConfig",
+    "iterate": "jaxrl_llm.flows.iterate:IterateConfig",
     "online": "jaxrl_llm.online.config:OnlineConfig",
-    "quickstart": "jaxrl_llm.quickstart:QuickstartConfig",
+    "quickstart": "jaxrl_llm.flows.quickstart:QuickstartConfig",
 }
 
 
@@ -81,16 +81,16 @@ def load_experiment_config(path: str | None, overrides: Sequence[str]) -> Any:
         config = load_config(path, overrides, schema=schema_class(name))
     except ConfigError as err:
         raise ConfigError(f"{err} (read as a {name!r} config from its keys)") from err
-    from jaxrl_llm.iterate import experiment_part
+    from jaxrl_llm.flows.iterate import experiment_part
 
     return experiment_part(config)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.reference:
-        from jaxrl_llm.config_docs import render
+        from jaxrl_llm.config.reference import render
 
-        print(render(), end="")
+        print(render({name: schema_class(name) for name in SCHEMAS}), end="")
         return 0
     name = args.schema
     if name == "auto":
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise ConfigError(f"{err} (read as a {name!r} config; --schema "
                           f"{'|'.join(SCHEMAS)} picks another)") from err
-    from jaxrl_llm.config_docs import with_architecture
+    from jaxrl_llm.config.reference import with_architecture
 
     print(with_architecture(config), end="")
     return 0

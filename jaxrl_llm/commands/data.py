@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.atomic import atomic_open
+    from jaxrl_llm.core.atomic import atomic_open
     from jaxrl_llm.data.shards import RecordSource
     from jaxrl_llm.data.stats import dataset_stats
 

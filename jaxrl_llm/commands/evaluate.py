@@ -29,10 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
+    from jaxrl_llm.core.paths import as_path
     from jaxrl_llm.eval.during_training import eval_task
     from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
-    from jaxrl_llm.opener import open_model
-    from jaxrl_llm.paths import as_path
+    from jaxrl_llm.policy.opener import open_model
 
     overrides = list(args.overrides)
     if args.task is not None:

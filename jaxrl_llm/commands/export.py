@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.export import export_checkpoint, export_model
+    from jaxrl_llm.policy.export import export_checkpoint, export_model
     from jaxrl_llm.weights.gguf_export import GGUFExportError
 
     options = dict(tokenizer=args.tokenizer, dtype=args.dtype, overwrite=args.overwrite,

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.config import ConfigError
-    from jaxrl_llm.opener import open_model, open_tokenizer
+    from jaxrl_llm.policy.opener import open_model, open_tokenizer
     from jaxrl_llm.tasks import task_from_config
 
     config = load_experiment_config(args.config, args.overrides)

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.eval.evaluate import format_table
-    from jaxrl_llm.iterate import IterateConfig, run_iterations
+    from jaxrl_llm.flows.iterate import IterateConfig, run_iterations
 
     config = load_config(args.config, args.overrides, schema=IterateConfig)
     initial, results = run_iterations(config, progress=not args.no_progress)

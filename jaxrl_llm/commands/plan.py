@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.atomic import atomic_write_text
     from jaxrl_llm.commands.config import load_experiment_config
+    from jaxrl_llm.core.atomic import atomic_write_text
     from jaxrl_llm.plan import PlanOutOfMemory, format_report, host_device_count, make_plan
 
     overrides = list(args.overrides)

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxrl_llm.quickstart import SMOLLM2_OVERRIDES, load_quickstart_config, run_quickstart
+    from jaxrl_llm.flows.quickstart import SMOLLM2_OVERRIDES, load_quickstart_config, run_quickstart
 
     overrides = (SMOLLM2_OVERRIDES if args.model == "smollm2" else []) + \
         ([f"generate.backend={args.sampler}"] if args.sampler else []) + list(args.overrides)

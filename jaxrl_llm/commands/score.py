@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.data.stages import scored_directory, stage_input
-    from jaxrl_llm.opener import open_model
     from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.policy.opener import open_model
     from jaxrl_llm.train.preflight import check_all_records
     from jaxrl_llm.train.score import score_records
     from jaxrl_llm.weights.loading import check_weights_found, decoder_config

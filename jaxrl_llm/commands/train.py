@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
-    from jaxrl_llm.signals import exit_code, signal_name
+    from jaxrl_llm.core.signals import exit_code, signal_name
     from jaxrl_llm.train.nonfinite import NonFiniteError
     from jaxrl_llm.train.trainer import Trainer
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     hook = None
     if config.train.eval_every:  # held-out pass@1 ± SE every eval_every steps
         from jaxrl_llm.eval.during_training import make_eval_hook
-        from jaxrl_llm.opener import open_tokenizer
+        from jaxrl_llm.policy.opener import open_tokenizer
 
         hook = make_eval_hook(config, open_tokenizer(config))
     trainer = Trainer(config, records=args.records, progress=not args.no_progress,

@@ -23,7 +23,7 @@ from typing import Any
 
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_write_text
+from jaxrl_llm.core.atomic import atomic_write_text
 from jaxrl_llm.data.records import Record, RecordError
 from jaxrl_llm.data.shards import (
     MANIFEST_NAME,

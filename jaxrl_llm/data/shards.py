@@ -24,7 +24,7 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_write_bytes, atomic_write_text
+from jaxrl_llm.core.atomic import atomic_write_bytes, atomic_write_text
 from jaxrl_llm.data.records import Record, RecordError, validate_record
 
 MANIFEST_NAME = "manifest.json"

@@ -44,7 +44,7 @@ def choose_input(stage: str, *, records: str | None, scored: str | None,
 
     Raises `ConfigError` naming the key to set when the stage has nothing to read.
     """
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
 
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
@@ -75,7 +75,7 @@ def stage_input(config: Any, stage: str, override: str | epath.PathLike | None =
 
 def stage_output(config: Any, stage: str, override: str | epath.PathLike | None = None) -> str:
     """The directory `stage` ("score" or "curate") writes; `override` (`--out`) wins."""
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
 
     if override is not None:
         return str(override)
@@ -112,7 +112,7 @@ def has_mu(directory: str | epath.PathLike) -> bool:
 
 def check_mu(config: Any, directory: str | epath.PathLike) -> None:
     """Refuse, before training starts, records without μ for a loss that reads μ."""
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
     from jaxrl_llm.losses.registry import loss_spec
 
     if not (loss_spec(config.loss.name).needs_mu and config.loss.mu_source == "trainer"):

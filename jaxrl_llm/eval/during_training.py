@@ -33,7 +33,7 @@ def make_eval_hook(config: Any, tokenizer: Any) -> Callable[[int, Any], Mapping[
     task = eval_task(config)
     problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
     if not problems:
-        from jaxrl_llm.errors import ConfigError
+        from jaxrl_llm.core.errors import ConfigError
 
         raise ConfigError(f"train.eval_every: eval.split={e.split!r} of data.task={config.data.task!r} "
                           "has no questions")

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_open, atomic_write_text
+from jaxrl_llm.core.atomic import atomic_open, atomic_write_text
+from jaxrl_llm.core.paths import PathLike, as_path
 from jaxrl_llm.eval.metrics import EvalSamples, evaluation_summary
-from jaxrl_llm.paths import PathLike, as_path
 from jaxrl_llm.tasks.base import reward_error_metrics
 
 EVAL_FILE = "eval.json"
@@ -44,15 +44,15 @@ def sample_and_grade(
     chat_template: bool | None = False, progress: bool = True,
 ) -> Graded:
     """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
-    counts the questions (`jaxrl_llm/progress.py`); Ctrl-C stops after a prompt batch."""
+    counts the questions (`jaxrl_llm/core/progress.py`); Ctrl-C stops after a prompt batch."""
     import jax
 
+    from jaxrl_llm.core.progress import progress_bar
+    from jaxrl_llm.core.signals import StopSignals
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
     from jaxrl_llm.generate.fit import fit_sampler_batch
     from jaxrl_llm.generate.jax_backend import sample_completions
-    from jaxrl_llm.progress import progress_bar
     from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
-    from jaxrl_llm.signals import StopSignals
 
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)

@@ -17,8 +17,8 @@ from etils import epath
 matplotlib.use("Agg")  # headless: no display on training hosts
 import matplotlib.pyplot as plt
 
-from jaxrl_llm.atomic import atomic_write_bytes
-from jaxrl_llm.paths import PathLike, as_path
+from jaxrl_llm.core.atomic import atomic_write_bytes
+from jaxrl_llm.core.paths import PathLike, as_path
 
 FIGSIZE = (6.4, 4.0)
 DPI = 100

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_write_text
-from jaxrl_llm.paths import PathLike, as_path, find_files
+from jaxrl_llm.core.atomic import atomic_write_text
+from jaxrl_llm.core.paths import PathLike, as_path, find_files
 
 # (file stem, title, y label, metric-name regexes)
 SERIES = (

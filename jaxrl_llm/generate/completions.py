@@ -65,7 +65,7 @@ def format_prompts(tokenizer: Any, prompts: Sequence[str], *,
     if not uses_chat_template(tokenizer, chat_template):
         return [f"{p.system}\n\n{p}" if getattr(p, "system", None) else str(p) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
-        from jaxrl_llm.errors import ConfigError
+        from jaxrl_llm.core.errors import ConfigError
 
         raise ConfigError(f"data.chat_template=true but tokenizer "
                           f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} "

@@ -2,9 +2,9 @@
 
 Prompts are processed in chunks of `chunk_prompts`; each chunk is sampled (n per prompt),
 scored by the task and appended to the record shards. The progress bar counts prompts and
-moves after every prompt batch (`jaxrl_llm/progress.py`). Before sampling, the prompt batch
+moves after every prompt batch (`jaxrl_llm/core/progress.py`). Before sampling, the prompt batch
 is fitted to the memory left (`generate/fit.py`). Ctrl-C or SIGTERM stops after the current
-prompt batch (`jaxrl_llm/signals.py`): the directory stays without a manifest, so readers
+prompt batch (`jaxrl_llm/core/signals.py`): the directory stays without a manifest, so readers
 refuse it and re-running the command writes it again.
 """
 
@@ -68,10 +68,10 @@ def generate_records(
     progress: bool = True,
 ) -> Manifest:
     """Sample `n` completions per problem and write scored records to `out_dir`."""
+    from jaxrl_llm.core.progress import progress_bar
+    from jaxrl_llm.core.signals import StopSignals
     from jaxrl_llm.generate.fit import fit_sampler_batch
-    from jaxrl_llm.progress import progress_bar
     from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
-    from jaxrl_llm.signals import StopSignals
 
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.errors import ConfigError, ModelFileError
+from jaxrl_llm.core.errors import ConfigError, ModelFileError
 from jaxrl_llm.generate.completions import Completion
 
 
@@ -243,6 +243,8 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
     """
     from transformers import AutoTokenizer
 
+    from jaxrl_llm.core.progress import progress_bar
+    from jaxrl_llm.core.signals import StopSignals
     from jaxrl_llm.data.chunked import ChunkedRecordWriter
     from jaxrl_llm.data.shards import SamplingInfo
     from jaxrl_llm.generate.completions import (
@@ -252,8 +254,6 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
         sampler_logprob_info,
     )
     from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
-    from jaxrl_llm.progress import progress_bar
-    from jaxrl_llm.signals import StopSignals
     from jaxrl_llm.tasks import task_from_config
 
     g, d = config.generate, config.data

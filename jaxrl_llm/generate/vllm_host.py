@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.run_layout import (
+from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.data.run_layout import (
     iteration_dir,
     policy_dir,
     policy_ready,

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.models.layers import attention_mask, dot_product_attention
 
 Array = jax.Array

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_llm.errors import ModelFileError
+from jaxrl_llm.core.errors import ModelFileError
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 ARCHITECTURES: dict[str, str] = {

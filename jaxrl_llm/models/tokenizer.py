@@ -27,7 +27,7 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
-from jaxrl_llm.errors import ModelFileError
+from jaxrl_llm.core.errors import ModelFileError
 
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (added, whole).
 _CONTROL = 3

@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
 from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.losses.registry import loss_spec
 from jaxrl_llm.online.config import OnlineConfig
@@ -48,7 +49,6 @@ from jaxrl_llm.online.rounds import (
     sampling_seed,
     split_batches,
 )
-from jaxrl_llm.paths import as_path
 
 ONLINE_META = "online"
 
@@ -190,7 +190,7 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     round's metrics row as `eval/KEY`. Python API only (the experiments' probes)."""
     if eval_hook is not None and eval_every <= 0:
         raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
-    from jaxrl_llm.progress import progress_bar
+    from jaxrl_llm.core.progress import progress_bar
     from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
     from jaxrl_llm.train.metrics_log import MetricsLogger
     from jaxrl_llm.train.state_items import state_items

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.core.errors import ConfigError
 
 GIB = 1024**3
 LIMIT_ENV = "JAXRL_MEMORY_LIMIT_GIB"

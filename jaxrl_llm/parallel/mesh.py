@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.core.errors import ConfigError
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 # Axes a batch's leading (row) dimension is split over: every data-parallel replica and every

@@ -97,7 +97,7 @@ def task_from_config(config: Any) -> Task:
     """The task an experiment config's `data` section names (`data.task`, `task_path`,
     `task_options`, `reward_scheme`, `system_prompt`); a `ConfigError` naming those keys when
     it cannot be built."""
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
 
     d = config.data
     kwargs: dict[str, Any] = {"reward_scheme": d.reward_scheme, **d.task_options}

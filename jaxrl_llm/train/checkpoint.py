@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxrl_llm.paths import PathLike, as_path
+from jaxrl_llm.core.paths import PathLike, as_path
 
 STATE, DATA, META = "state", "data", "meta"
 

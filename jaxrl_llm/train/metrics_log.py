@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_write_text
-from jaxrl_llm.paths import PathLike, as_path, is_remote
+from jaxrl_llm.core.atomic import atomic_write_text
+from jaxrl_llm.core.paths import PathLike, as_path, is_remote
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -46,11 +46,11 @@ def sync_mode() -> str:
 class StopSync:
     """The stop decision of one training loop: `install()` before it, `should_stop(step)`
     after every step on every process, `uninstall()` after it. SIGTERM and Ctrl-C (SIGINT)
-    both stop it (`jaxrl_llm/signals.py`), except in JAX_SYNC mode, where JAX handles SIGTERM
+    both stop it (`jaxrl_llm/core/signals.py`), except in JAX_SYNC mode, where JAX handles SIGTERM
     and a Ctrl-C on one host alone keeps Python's default."""
 
     def __init__(self, mode: str | None = None) -> None:
-        from jaxrl_llm.signals import STOP_SIGNALS, StopSignals
+        from jaxrl_llm.core.signals import STOP_SIGNALS, StopSignals
 
         self.mode = mode if mode is not None else sync_mode()
         self._signals = StopSignals(() if self.mode == JAX_SYNC else STOP_SIGNALS,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.paths import PathLike, append_text, as_path
+from jaxrl_llm.core.paths import PathLike, append_text, as_path
 
 TRACE_FILE = "record_trace.jsonl"
 

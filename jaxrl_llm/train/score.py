@@ -37,13 +37,13 @@ import numpy as np
 from etils import epath
 from jax.sharding import Mesh
 
+from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.core.signals import STOP_SIGNALS, StopSignals
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import Manifest, RecordSource, write_manifest, write_shard
-from jaxrl_llm.errors import ConfigError
-from jaxrl_llm.progress import progress_bar
 from jaxrl_llm.sampling.sampler import default_bucket
-from jaxrl_llm.signals import STOP_SIGNALS, StopSignals
 from jaxrl_llm.train.mismatch import NUM_MISMATCH_STATS, Mismatch, compared_logprobs
 from jaxrl_llm.train.scorer import (  # noqa: F401 (re-exported: BATCH_SIZE_KEY, make_scorer, score_batch)
     BATCH_SIZE_KEY,

@@ -12,9 +12,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, make_mesh
 from jaxrl_llm.sampling.sampler import default_bucket  # the sampler's padded-length buckets
 

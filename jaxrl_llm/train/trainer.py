@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ExperimentConfig, dump_config
-from jaxrl_llm.paths import PathLike, as_path
+from jaxrl_llm.core.atomic import atomic_write_text
+from jaxrl_llm.core.paths import PathLike, as_path
 from jaxrl_llm.train.preemption import EXIT_PREEMPTED, StopSync  # noqa: F401 (EXIT_PREEMPTED re-exported)
 from jaxrl_llm.train.state_items import STATE_FIELDS, state_items, with_items  # noqa: F401 (re-exported)
 
@@ -108,7 +108,7 @@ class Trainer:
             check_weights_found(config.model)
             decoder_config(config.model)
         if config.train.eval_every and eval_hook is None:  # never accepted and ignored
-            from jaxrl_llm.errors import ConfigError
+            from jaxrl_llm.core.errors import ConfigError
 
             raise ConfigError(
                 f"train.eval_every={config.train.eval_every} needs an evaluation: `jaxrl-llm "
@@ -211,7 +211,7 @@ class Trainer:
                                run_config=self._meta(step, state)["config"])
         _install_sigterm(self._stop)
         window = MetricWindow()
-        from jaxrl_llm.progress import progress_bar
+        from jaxrl_llm.core.progress import progress_bar
 
         bar = progress_bar(cfg.steps, initial=step, enabled=self.progress, desc="train",
                            unit="step")

@@ -28,7 +28,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from transformers import PreTrainedTokenizerFast
 
-from jaxrl_llm.errors import ModelFileError
+from jaxrl_llm.core.errors import ModelFileError
 from jaxrl_llm.models.tokenizer import (
     GGUFTokenizerMetadata,
     TokenizerMetadataError,

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxrl_llm.errors import ModelFileError
+from jaxrl_llm.core.errors import ModelFileError
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 

@@ -60,7 +60,7 @@ def resolve_model_dir(path: str, *, revision: str | None = None, key: str = "mod
     key: the config key that named `path` (for the error message). files: the file patterns
     to fetch (default `HUB_FILES`; `["config.json"]` when only the architecture is needed).
     """
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
 
     if not is_hub_id(path):
         if revision is not None and not Path(path).exists():

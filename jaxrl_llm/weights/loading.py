@@ -60,7 +60,7 @@ def numerics(model_config: Any) -> dict[str, Any]:
 def weights_path(model_config: Any, *, files: list[str] | None = None) -> str:
     """The file or directory the weights come from; a `ConfigError` naming `model.path`
     when a pretrained source has none."""
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
 
     m = model_config
     if m.source not in WEIGHT_SOURCES:
@@ -90,7 +90,7 @@ def check_weights_found(model_config: Any) -> None:
     path = weights_path(m, files=["config.json"])
     if "://" in path or Path(path).exists():
         return
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
 
     parent = Path(path).parent
     near = sorted(p.name for p in parent.iterdir())[:12] if parent.is_dir() else []
@@ -227,7 +227,7 @@ def load_tokenizer(model_config: Any, name: str | None = None) -> Any:
     """`name` (the config's `data.tokenizer`: "char", a tokenizer directory or Hub id) when
     set; else the source's own: the char tokenizer (random), the GGUF file's (gguf, smollm2;
     read without its weights) or the tokenizer files of `model.path` (hf)."""
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
 
     m = model_config
     if name == "char" or (name is None and m.source == "random"):
@@ -258,7 +258,7 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str
     model's embedding table: a prompt id ≥ vocab_size would embed as NaN (`jnp.take` fills
     out-of-range rows) and the model could never emit those tokens (a smaller tokenizer is
     fine: padded vocabularies)."""
-    from jaxrl_llm.errors import ModelFileError
+    from jaxrl_llm.core.errors import ModelFileError
 
     def file(where: str, name: str) -> str:  # a directory's own file, when it has one
         return str(Path(where) / name) if (Path(where) / name).is_file() else where

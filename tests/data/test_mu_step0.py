@@ -16,7 +16,7 @@ import pytest
 
 from jaxrl_llm.config import config_from_dict
 from jaxrl_llm.generate.jax_backend import generate_records
-from jaxrl_llm.opener import open_model
+from jaxrl_llm.policy.opener import open_model
 from jaxrl_llm.tasks import task_from_config
 from jaxrl_llm.train.score import score_records
 from jaxrl_llm.train.trainer import Trainer

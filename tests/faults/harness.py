@@ -151,7 +151,7 @@ def expected_exit(kill: Kill) -> bool:
     if kill.signal == signal.SIGKILL:
         return kill.returncode == -signal.SIGKILL
     if kill.signal == signal.SIGINT:
-        # Ctrl-C: every command stops and exits 130 (jaxrl_llm/signals.py); -SIGINT if it
+        # Ctrl-C: every command stops and exits 130 (jaxrl_llm/core/signals.py); -SIGINT if it
         # came before Python had started the command (its default: die by the signal)
         return kill.returncode in (-signal.SIGINT, 130, 0)
     return kill.returncode in (-signal.SIGTERM, 143, 0)

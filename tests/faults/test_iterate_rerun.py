@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.shards import write_records
-from jaxrl_llm.iterate import IterateConfig, record_sample_metrics
+from jaxrl_llm.flows.iterate import IterateConfig, record_sample_metrics
 
 
 def test_a_rerun_iteration_replaces_its_row(tmp_path):

@@ -215,7 +215,7 @@ def test_every_command_loads_through_load_model(hf_pair, tmp_path, monkeypatch):
     directory: evaluate, export) and export/plan (abstract) all call `load_model`, so the
     section's numerics reach each of them."""
     from jaxrl_llm.models.tokenizer import char_tokenizer
-    from jaxrl_llm.opener import open_model
+    from jaxrl_llm.policy.opener import open_model
     from jaxrl_llm.train.state import abstract_train_state, create_train_state
 
     _, hf_dir = hf_pair

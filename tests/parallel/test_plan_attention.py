@@ -62,7 +62,7 @@ def test_splash_refuses_bf16_at_highest_precision_before_compiling():
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm.errors import ConfigError
+    from jaxrl_llm.core.errors import ConfigError
     from jaxrl_llm.models.attention import _splash_local
 
     q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.config import load_config
-from jaxrl_llm.iterate import IterateConfig, experiment_part, run_iterations
+from jaxrl_llm.flows.iterate import IterateConfig, experiment_part, run_iterations
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxrl_llm.train.trainer import Trainer
 

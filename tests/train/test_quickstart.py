@@ -10,8 +10,8 @@ import yaml
 
 from jaxrl_llm.cli import main as cli_main
 from jaxrl_llm.config import load_config
-from jaxrl_llm.iterate import IterateConfig
-from jaxrl_llm.quickstart import QUICKSTART_DEFAULTS, QuickstartConfig
+from jaxrl_llm.flows.iterate import IterateConfig
+from jaxrl_llm.flows.quickstart import QUICKSTART_DEFAULTS, QuickstartConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

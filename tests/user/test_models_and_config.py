@@ -72,12 +72,14 @@ def test_export_from_the_packaged_gguf_loads_in_transformers(tmp_path: Path) -> 
 
 
 def test_configuration_reference_is_current_and_describes_every_key() -> None:
-    from jaxrl_llm.config_docs import render, undocumented
-    from jaxrl_llm.quickstart import QuickstartConfig
+    from jaxrl_llm.config.reference import render, undocumented
+    from jaxrl_llm.flows.quickstart import QuickstartConfig
 
     assert undocumented(QuickstartConfig) == []
     committed = (ROOT / "docs" / "configuration.md").read_text()
-    assert committed == render(), ("docs/configuration.md is stale: run "
+    from jaxrl_llm.commands.config import SCHEMAS, schema_class
+
+    assert committed == render({name: schema_class(name) for name in SCHEMAS}), ("docs/configuration.md is stale: run "
                                    "`jaxrl-llm config --reference > docs/configuration.md`")
 
 

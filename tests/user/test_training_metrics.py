@@ -133,8 +133,8 @@ def test_eval_every_from_the_cli_logs_and_plots_held_out_pass_at_1(tmp_path: Pat
 
 def test_eval_every_without_an_evaluation_is_refused_not_ignored(tmp_path: Path) -> None:
     from jaxrl_llm.config import config_from_dict
+    from jaxrl_llm.core.errors import ConfigError
     from jaxrl_llm.data.shards import write_records
-    from jaxrl_llm.errors import ConfigError
     from jaxrl_llm.train.trainer import Trainer
 
     write_records(tmp_path / "recs", _records(False), scored_by="test")

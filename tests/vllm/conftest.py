@@ -38,7 +38,7 @@ def tiny_hf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_hf(tmp_path_factory) -> Path:
     from jaxrl_llm.config import config_from_dict
-    from jaxrl_llm.export import atomic_save
+    from jaxrl_llm.policy.export import atomic_save
     from jaxrl_llm.weights.loading import load_model
 
     loaded = load_model(config_from_dict({"model": {"source": "smollm2"}}).model)

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.core.errors import ConfigError
 
 
 def _dotted(loc: Sequence[Any]) -> str:

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
-from jaxrl_llm.plan_report import (  # noqa: F401  (re-exported: `plan.GIB`, `plan.format_report`)
+from jaxrl_llm.plan.report import (  # noqa: F401  (re-exported: `plan.GIB`, `plan.format_report`)
     CHIP_MEMORY_GIB,
     CHIP_PEAK,
     GIB,

@@ -25,8 +25,8 @@ from typing import Any
 
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_directory, atomic_file
-from jaxrl_llm.paths import PathLike, as_path, copy_tree, is_remote
+from jaxrl_llm.core.atomic import atomic_directory, atomic_file
+from jaxrl_llm.core.paths import PathLike, as_path, copy_tree, is_remote
 
 
 def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
@@ -42,7 +42,7 @@ def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
 
 
 def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None) -> None:
-    from jaxrl_llm.progress import progress_bar
+    from jaxrl_llm.core.progress import progress_bar
     from jaxrl_llm.weights import hf
 
     bar = progress_bar(None, desc=f"export {out.name}", unit="tensor")
@@ -125,7 +125,7 @@ def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | No
     (format "hf": an HF directory; "gguf": one GGUF file of `gguf_type`)."""
     import jax
 
-    from jaxrl_llm.opener import open_checkpoint
+    from jaxrl_llm.policy.opener import open_checkpoint
 
     if format not in ("hf", "gguf"):
         raise ValueError(f"export format {format!r} is not one of ['hf', 'gguf']")
@@ -151,7 +151,7 @@ def export_model(source: str, out_dir: PathLike, *, dtype: str | None = None,
     HF directory, a Hub id, or a checkpoint) written to `out_dir` like a trained checkpoint's
     export."""
     from jaxrl_llm.config import ExperimentConfig
-    from jaxrl_llm.opener import classify, open_model
+    from jaxrl_llm.policy.opener import classify, open_model
 
     if classify(source, key="--from")[0] == "checkpoint":
         return export_checkpoint(source, out_dir, tokenizer=tokenizer, dtype=dtype,

@@ -12,6 +12,7 @@ import inspect
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -143,33 +144,31 @@ def _table(model: type[BaseModel], prefix: str, title: str, skip: set[str]) -> l
     return lines
 
 
-def render() -> str:
+def render(schemas: Mapping[str, type[BaseModel]]) -> str:
     """The whole reference: the experiment schema, then what `iterate`, `quickstart` and
-    `online` add."""
-    from jaxrl_llm.config import ExperimentConfig
-    from jaxrl_llm.iterate import IterateConfig
-    from jaxrl_llm.online.config import OnlineConfig
-    from jaxrl_llm.quickstart import QuickstartConfig
-
+    `online` add. `schemas` maps those four names to their classes (the command layer's
+    table, `commands.config.SCHEMAS`: the schemas of the flows live with their owners, above
+    this package)."""
+    experiment, iterate = schemas["experiment"], schemas["iterate"]
     lines = [HEADER]
-    lines += _table(ExperimentConfig, "", "Every command (the experiment schema)", set())
-    base = set(ExperimentConfig.model_fields)
-    lines += _table(IterateConfig, "", "`jaxrl-llm iterate` adds", base)
-    lines += _table(QuickstartConfig, "", "`jaxrl-llm quickstart` adds",
-                    base | set(IterateConfig.model_fields))
-    lines += _table(OnlineConfig, "", "`jaxrl-llm online` adds", base)
+    lines += _table(experiment, "", "Every command (the experiment schema)", set())
+    base = set(experiment.model_fields)
+    lines += _table(iterate, "", "`jaxrl-llm iterate` adds", base)
+    lines += _table(schemas["quickstart"], "", "`jaxrl-llm quickstart` adds",
+                    base | set(iterate.model_fields))
+    lines += _table(schemas["online"], "", "`jaxrl-llm online` adds", base)
     return "\n".join(lines).rstrip() + "\n"
 
 
 def with_architecture(config: Any) -> str:
     """The config's YAML, with a pretrained model's architecture as its weights have it
     (the `model:` architecture keys only build source=random models)."""
-    from jaxrl_llm.config_io import dump_config
+    from jaxrl_llm.config.io import dump_config
 
     model = getattr(config, "model", None)
     if model is None or model.source == "random":
         return dump_config(config)
-    from jaxrl_llm.errors import ConfigError, ModelFileError
+    from jaxrl_llm.core.errors import ConfigError, ModelFileError
     from jaxrl_llm.weights.loading import architecture_of
 
     try:

@@ -28,10 +28,10 @@ from typing import Any
 from etils import epath
 from pydantic import Field
 
-from jaxrl_llm.atomic import atomic_directory, atomic_write_text
 from jaxrl_llm.config import Section, config_from_dict
-from jaxrl_llm.iterate import IterateConfig
-from jaxrl_llm.paths import as_path
+from jaxrl_llm.core.atomic import atomic_directory, atomic_write_text
+from jaxrl_llm.core.paths import as_path
+from jaxrl_llm.flows.iterate import IterateConfig
 
 TASK_OPTIONS = {"min_ops": 1, "max_ops": 2, "max_operand": 9}
 
@@ -124,9 +124,9 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     """Random init → SFT on gold solutions, stopping once pass@1 ≥ the target."""
     from jaxrl_llm.data.shards import write_records
     from jaxrl_llm.eval.evaluate import evaluate_model
+    from jaxrl_llm.flows.iterate import StageLog, experiment_part
     from jaxrl_llm.generate.completions import gold_records
-    from jaxrl_llm.iterate import StageLog, experiment_part
-    from jaxrl_llm.opener import open_checkpoint
+    from jaxrl_llm.policy.opener import open_checkpoint
     from jaxrl_llm.train.trainer import Trainer
 
     s = config.sft
@@ -181,7 +181,7 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     finally:
         trainer.close()
     if result.stopped and not reached:  # SIGTERM / Ctrl-C: never mark a partial SFT stage done
-        from jaxrl_llm.signals import signal_name
+        from jaxrl_llm.core.signals import signal_name
         from jaxrl_llm.train.preemption import Preempted
 
         raise Preempted(f"SFT stopped by {signal_name(result.stop_signal)} at step "
@@ -213,8 +213,8 @@ def run_quickstart(config: QuickstartConfig, *, progress: bool = True) -> dict[s
     """The whole flow; returns the paths and the before/after numbers (also `summary.json`)."""
     from jaxrl_llm.eval.evaluate import format_table
     from jaxrl_llm.eval.report import write_report
-    from jaxrl_llm.iterate import run_iterations
-    from jaxrl_llm.opener import open_model
+    from jaxrl_llm.flows.iterate import run_iterations
+    from jaxrl_llm.policy.opener import open_model
     from jaxrl_llm.tasks import task_from_config
 
     t_start = time.perf_counter()

@@ -25,10 +25,10 @@ from typing import Any, Literal
 from etils import epath
 from pydantic import Field
 
-from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ConfigError, ExperimentConfig, Section
-from jaxrl_llm.paths import append_text, as_path
-from jaxrl_llm.run_layout import STAGES_FILE, StageLog, prompt_offset, sampling_seed  # noqa: F401
+from jaxrl_llm.core.atomic import atomic_write_text
+from jaxrl_llm.core.paths import append_text, as_path
+from jaxrl_llm.data.run_layout import STAGES_FILE, StageLog, prompt_offset, sampling_seed  # noqa: F401
 
 STAGES = ("generate", "score", "curate", "train", "export", "evaluate")
 
@@ -189,8 +189,8 @@ def export_initial_policy(config: IterateConfig, model: Any, tokenizer: Any,
                           progress: bool) -> None:
     """π_0 as an HF directory for vLLM (`run_layout.policy_dir(config, 0)`), unless the
     configured model already is one."""
-    from jaxrl_llm.export import atomic_save
-    from jaxrl_llm.run_layout import iteration_dir, policy_ready
+    from jaxrl_llm.data.run_layout import iteration_dir, policy_ready
+    from jaxrl_llm.policy.export import atomic_save
 
     if policy_ready(config, 0):
         return
@@ -295,12 +295,12 @@ def run_iteration(
                            "metrics": str(result.metrics_path), "last": result.last_row,
                            "seconds": time.perf_counter() - t0})
     else:
-        from jaxrl_llm.opener import open_checkpoint
+        from jaxrl_llm.policy.opener import open_checkpoint
 
         new_model = open_checkpoint(str(train_dir), with_tokenizer=False).model
 
     if config.iterate.export and not log.done("export"):
-        from jaxrl_llm.export import atomic_save
+        from jaxrl_llm.policy.export import atomic_save
 
         t0 = time.perf_counter()
         out = atomic_save(new_model, it_dir / "export", tokenizer=tokenizer, overwrite=True)
@@ -328,7 +328,7 @@ def run_iterations(
 ) -> tuple[dict[str, Any] | None, list[IterationResult]]:
     """(initial eval or None, one result per iteration). `model`/`tokenizer` default to the
     config's; a re-run continues from the last completed iteration's checkpoint."""
-    from jaxrl_llm.opener import open_model, open_tokenizer
+    from jaxrl_llm.policy.opener import open_model, open_tokenizer
     from jaxrl_llm.tasks import task_from_config
 
     task = task_from_config(config)
@@ -382,7 +382,7 @@ def _iterate(config: IterateConfig, run_dir: epath.Path, task: Any, tokenizer: A
         if current is None:
             previous = run_dir / f"iter_{index - 1}" / "train"
             if index > 1 and StageLog(run_dir / f"iter_{index - 1}").done("train"):
-                from jaxrl_llm.opener import open_checkpoint
+                from jaxrl_llm.policy.opener import open_checkpoint
 
                 current = open_checkpoint(str(previous), with_tokenizer=False).model
             else:

@@ -18,8 +18,8 @@ from typing import Any
 
 from etils import epath
 
-from jaxrl_llm.atomic import atomic_write_text
-from jaxrl_llm.paths import as_path
+from jaxrl_llm.core.atomic import atomic_write_text
+from jaxrl_llm.core.paths import as_path
 
 STAGES_FILE = "stages.json"
 

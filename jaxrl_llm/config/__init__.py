@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxrl_llm.config_io import dump_config, parse_override, read_tree, validate_tree  # noqa: F401 (re-exported)
-from jaxrl_llm.errors import ConfigError  # noqa: F401 re-exported: defined apart so leaves need no schema
-from jaxrl_llm.paths import RunPath  # run/output paths: absolute (or gs://) once validated
+from jaxrl_llm.config.io import dump_config, parse_override, read_tree, validate_tree  # noqa: F401 (re-exported)
+from jaxrl_llm.core.errors import ConfigError  # noqa: F401 re-exported: defined apart so leaves need no schema
+from jaxrl_llm.core.paths import RunPath  # run/output paths: absolute (or gs://) once validated
 
 
 class Section(BaseModel):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxrl_llm.paths import as_path, copy_tree, is_remote
+from jaxrl_llm.core.paths import as_path, copy_tree, is_remote
 
 Kind = Literal["config", "gguf", "hf", "checkpoint"]
 

@@ -25,7 +25,7 @@ from typing import IO
 
 from etils import epath
 
-from jaxrl_llm.paths import PathLike, as_path, is_remote
+from jaxrl_llm.core.paths import PathLike, as_path, is_remote
 
 __all__ = ["atomic_directory", "atomic_file", "atomic_open", "atomic_write_bytes", "atomic_write_text"]
 
