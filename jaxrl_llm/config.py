@@ -16,7 +16,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     create_model,
     field_validator,
     model_validator,
@@ -136,7 +135,6 @@ class _LossSection(Section):
     logprob_chunk_size: int = Field(4096, gt=0)
     # μ for π/μ: trainer = the score pass's mu_logprobs, sampler = the sampler's own log-probs
     mu_source: Literal["trainer", "sampler"] = "trainer"
-    _spec: LossSpec | None = PrivateAttr(None)
 
     @field_validator("name")
     @classmethod
@@ -148,18 +146,17 @@ class _LossSection(Section):
     def _options_read_by_the_loss(self) -> _LossSection:
         """An option the chosen loss does not read is an error, never silently ignored; then
         the loss's own checks of its values (`registry.option_problem`)."""
-        self._spec = loss_spec(self.name)
-        problem = option_problem(self._spec, dict(self))
+        problem = option_problem(self.spec, dict(self))
         if problem:
             raise ValueError(problem)
         return self
 
     @property
     def spec(self) -> LossSpec:
-        """The registry entry of `name`, resolved when the section was validated."""
-        if self._spec is None or self._spec.name != self.name:  # e.g. model_copy(update=)
-            self._spec = loss_spec(self.name)
-        return self._spec
+        """The registry entry of `name` (checked when the section was validated): what the
+        rest of the package reads about the chosen loss, instead of looking it up by name.
+        Not stored on the model, so copies and equality see only the config's values."""
+        return loss_spec(self.name)
 
 
 def _option_field(option: Option) -> tuple[Any, Any]:

@@ -1,4 +1,4 @@
-"""The one table of losses: name → kernel, the data it needs, and what it minimises.
+"""The one table of losses: name → kernel, the data it needs, what it minimises, and its options.
 
 Every part of the package that must know something about a loss reads it here — config
 validation, the loader (pairs, whole groups, μ), the trainer (what to require, which metrics
@@ -22,6 +22,15 @@ Requirements, per loss:
 - `full_batch`: rows are coupled across the batch inside the kernel (pairs, KTO's batch-mean
   z₀, A*-PO's group values, M2PO's second-moment mask over all tokens), so the step cannot split the batch into micro-batches. (GRPO's
   group advantages are computed on the full batch before the split, so it can.)
+
+Options, per loss (`LossSpec.options`, `losses.options.Option`): the `loss.<key>` keys the
+loss reads, each with its type, default, bounds, description and the kernel keyword it binds
+to, plus an optional rule over several of them (`LossSpec.check`). The config builds its
+`loss:` fields from `OPTIONS` and refuses, through `option_problem`, an option of another loss
+set away from its default; the train step passes `LossSpec.kernel_options` to the kernel. So
+a new loss is its kernel module plus one entry below, and a new option of a loss is one
+`Option` in its entry. The table imports no JAX: a kernel's module is imported on first use of
+`LossSpec.kernel`.
 """
 
 from __future__ import annotations
