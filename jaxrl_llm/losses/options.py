@@ -40,6 +40,10 @@ class Option:
     le: float | None = None
     # A value within the bounds that is still wrong: the reason, or None when fine.
     check: Callable[[Any], str | None] | None = None
+    # Set away from its default with a loss that does not read it: an error (True), or
+    # ignored (False: kept for the keys one `loss:` section sets across a sweep of losses,
+    # e.g. experiments/topr_offline.py gives every loss ppo's clip_eps and dpo's beta).
+    strict: bool = True
 
     def bounds(self) -> dict[str, float]:
         """The set bounds by name (`gt`, `ge`, `lt`, `le`)."""
@@ -54,7 +58,8 @@ AggregationName = Literal[
 
 
 def _bound(key: str, what: str) -> Option:
-    return Option(key, float | None, None, f"{what} (null: the preset's, TOPR Table 1)", key)
+    return Option(key, float | None, None, f"{what} (null: the preset's, TOPR Table 1)", key,
+                  strict=False)
 
 
 TOPR_BOUNDS = (
@@ -64,7 +69,7 @@ TOPR_BOUNDS = (
     _bound("b_neg", "upper bound of the negative records' ratio weight"),
 )
 LENGTH_NORM = Option("length_norm", bool, True, "divide each record's token sum by its length",
-                     "length_norm")
+                     "length_norm", strict=False)
 RATIO_LEVEL = Option(
     "ratio_level", Literal["sequence", "token", "geometric"], "sequence",
     '"sequence" π(y)/μ(y) (TOPR\'s), "token" π_t/μ_t, or "geometric" — the length-normalised '
@@ -98,7 +103,7 @@ def _dual_clip(c: float | None) -> str | None:
 
 
 CLIP_OPTIONS = (
-    Option("clip_eps", float, 0.2, "ratio clip ε (1 ± ε)", "clip_eps", gt=0),
+    Option("clip_eps", float, 0.2, "ratio clip ε (1 ± ε)", "clip_eps", gt=0, strict=False),
     Option("clip_eps_low", float | None, None,
            "lower clip bound (DAPO clip-higher, arXiv:2503.14476); null means clip_eps",
            "clip_eps_low", ge=0, le=1),
@@ -129,4 +134,4 @@ def ppo_check(values: Mapping[str, Any]) -> str | None:
 
 # ------------------------------------------------------------------------ preference losses
 
-BETA = Option("beta", float, 0.1, "β of the implicit reward", "beta", gt=0)
+BETA = Option("beta", float, 0.1, "β of the implicit reward", "beta", gt=0, strict=False)

@@ -201,12 +201,12 @@ _SPECS = (
              "off_rl + τ·KL(π_ref‖π) (FPA eq. 33)", positive="correct",
              inputs=("logp", "ref_logp", "mask", "rewards"), needs_ref=True, options=(
                  Option("kl_tau", float, 0.04, "weight τ of KL(π_ref‖π) (FPA eq. 33)", "tau",
-                        ge=0),
+                        ge=0, strict=False),
                  # read by the binding: the exact KL needs the reference model's hidden states
                  Option("kl_exact", bool, False, "exact per-token KL(π_ref‖π_θ) over the "
                         "vocabulary (needs train.ref_logprobs: model) instead of the sample "
                         "estimate logπ_ref(y) − logπ_θ(y) (docs/kernels.md § TOPR family, PPO, "
-                        "GRPO, Off-RL, FPA, KL)", None),
+                        "GRPO, Off-RL, FPA, KL)", None, strict=False),
              )),
     LossSpec("fpa", lambda: _module("off_rl").fpa_loss, "fpa",
              "−sg(π̂^{1/|y|})·R·(1/|y|)·log π, π̂ ∝ π^{1+λ}/π_ref^λ (FPA eq. 3)",
@@ -214,19 +214,21 @@ _SPECS = (
              needs_ref_model=True, options=(
                  # read by the binding: λ builds the extrapolated log-probs the kernel receives
                  Option("fpa_lambda", float, 1.0, "extrapolation λ of softmax((1+λ)h_θ − "
-                        "λh_ref) (FPA eq. 3)", None, ge=0),
+                        "λh_ref) (FPA eq. 3)", None, ge=0, strict=False),
                  Option("fpa_on", Literal["both", "negatives", "positives"], "both",
-                        "which records get the extrapolated weight", "fpa_on"),
+                        "which records get the extrapolated weight", "fpa_on", strict=False),
              )),
     _preference("dpo", "−log σ(β[(log π − log π_ref)(y⁺) − (log π − log π_ref)(y⁻)])",
                 (BETA,), needs_pairs=True),
     _preference("rpo", "DPO − α·(1/|y⁺|)·log π(y⁺)", (
-        BETA, Option("rpo_alpha", float, 1.0, "weight α of the chosen answers' NLL term", "alpha"),
+        BETA, Option("rpo_alpha", float, 1.0, "weight α of the chosen answers' NLL term", "alpha",
+                     strict=False),
     ), needs_pairs=True),
     _preference("kto", "1 − σ(±β(log π − log π_ref − z₀)), z₀ the batch KL estimate", (BETA,)),
     _preference("apo", "(β₂·(log π − log π_ref) − (R − V̂))², V̂ the group soft value (A*-PO)", (
-        Option("apo_beta1", float, 0.5, "β₁ of the soft value V̂", "beta1", gt=0),
-        Option("apo_beta2", float, 1e-3, "β₂ of the regression target", "beta2", gt=0),
+        Option("apo_beta1", float, 0.5, "β₁ of the soft value V̂", "beta1", gt=0, strict=False),
+        Option("apo_beta2", float, 1e-3, "β₂ of the regression target", "beta2", gt=0,
+               strict=False),
     ), needs_groups=True),
 )
 
@@ -257,14 +259,14 @@ def owners(key: str) -> tuple[str, ...]:
 def option_problem(spec: LossSpec, values: Mapping[str, Any]) -> str | None:
     """Why the option `values` (by key) cannot train `spec`'s loss, or None.
 
-    An option of another loss set away from its default has no effect, so it is an error
-    (naming the key, the losses that read it and the chosen one); then each of `spec`'s
-    options' own check, then the entry's rule over several options. (Bounds are the
-    config's: pydantic checks them field by field.)
+    A strict option (`Option.strict`) of another loss set away from its default has no
+    effect, so it is an error (naming the key, the losses that read it and the chosen one);
+    then each of `spec`'s options' own check, then the entry's rule over several options.
+    (Bounds are the config's: pydantic checks them field by field.)
     """
     own = {o.key for o in spec.options}
     for key, option in OPTIONS.items():
-        if key not in own and values[key] != option.default:
+        if option.strict and key not in own and values[key] != option.default:
             return (f"loss.{key} has no effect with loss.name={spec.name}: it is an option of "
                     f"loss.name={' / '.join(owners(key))}; remove the key")
     for option in spec.options:
