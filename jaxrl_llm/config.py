@@ -124,7 +124,8 @@ class _LossSection(Section):
 
     Each loss's options are declared in its registry entry (`losses.registry`: type, default,
     bounds, the kernel keyword) and set flat as `loss.<key>`; `LossConfig` below adds them as
-    fields. Setting an option of another loss than `name` is an error."""
+    fields. Setting a strict option (`Option.strict`, most are) of another loss than `name`
+    is an error."""
 
     # A name of `losses.registry.LOSS_SPECS` (checked below against that one table).
     name: str = "topr"
