@@ -189,14 +189,13 @@ class Policy:
         """Records → one global `Batch` of `train.batch_size` rows × `train.max_seq_len`
         tokens (padding rows masked), sharded over the mesh's batch axes."""
         from jaxrl_llm.data.collate import collate, record_row
-        from jaxrl_llm.losses.registry import loss_spec
         from jaxrl_llm.parallel.distributed import global_batch, global_batch_from_whole
 
         t = self.config.train
         if len(records) > t.batch_size:
             raise ConfigError(f"{len(records)} records do not fit one batch of "
                               f"train.batch_size={t.batch_size}")
-        need_mu = loss_spec(self.config.loss.name).needs_mu if require_mu is None else require_mu
+        need_mu = self.config.loss.spec.needs_mu if require_mu is None else require_mu
         rows = [record_row(r, require_mu=need_mu, where=f"records[{i}]")
                 for i, r in enumerate(records)]
         longest = max((r["inputs"].size for r in rows), default=0)

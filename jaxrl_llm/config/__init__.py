@@ -12,10 +12,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from jaxrl_llm.config.io import dump_config, parse_override, read_tree, validate_tree  # noqa: F401 (re-exported)
 from jaxrl_llm.core.errors import ConfigError  # noqa: F401 re-exported: defined apart so leaves need no schema
+from jaxrl_llm.losses.options import Option
+from jaxrl_llm.losses.registry import OPTIONS, LossSpec, loss_spec, option_problem, owners
 from jaxrl_llm.core.paths import RunPath  # run/output paths: absolute (or gs://) once validated
 
 
@@ -110,85 +119,19 @@ class ModelConfig(Section):
         return self
 
 
-_STALE_IS_LOSSES = ("cispo", "gspo", "icepop", "m2po", "vespo")  # their options' prefixes
+class _LossSection(Section):
+    """Which loss kernel and its options (losses/, docs/kernels.md).
 
-
-class LossConfig(Section):
-    """Which loss kernel and its options (losses/, docs/kernels.md)."""
+    Each loss's options are declared in its registry entry (`losses.registry`: type, default,
+    bounds, the kernel keyword) and set flat as `loss.<key>`; `LossConfig` below adds them as
+    fields. Setting a strict option (`Option.strict`, most are) of another loss than `name`
+    is an error."""
 
     # A name of `losses.registry.LOSS_SPECS` (checked below against that one table).
     name: str = "topr"
-    # TOPR family truncation bounds (docs/kernels.md § TOPR family); None means "use the preset named by `name`".
-    a_pos: float | None = None
-    # TOPR family: upper bound of the positive records' ratio weight (None: the preset's)
-    b_pos: float | None = None
-    # TOPR family: lower bound of the negative records' ratio weight (None: the preset's)
-    a_neg: float | None = None
-    # TOPR family: upper bound of the negative records' ratio weight (None: the preset's)
-    b_neg: float | None = None
-    # subtracted from each reward (TOPR eq. 12: baselines as dataset composition)
+    # subtracted from each reward (TOPR eq. 12: baselines as dataset composition); read by
+    # the TOPR family and ppo, by curate, and by train.grad_norm_by_sign's split
     baseline: float = 0.0
-    length_norm: bool = True  # TOPR family: divide each record's token sum by its length
-    # TOPR family: "sequence" π(y)/μ(y) (TOPR's), "token" π_t/μ_t, or "geometric" — the
-    # length-normalised (π(y)/μ(y))^{1/|y|}; PPO: "sequence" or "token".
-    ratio_level: Literal["sequence", "token", "geometric"] = "sequence"
-    clip_eps: float = Field(0.2, gt=0)  # PPO/GRPO: ratio clip ε (1 ± ε)
-    # PPO/GRPO: DAPO clip-higher bounds (arXiv:2503.14476); None means clip_eps.
-    clip_eps_low: float | None = Field(None, ge=0, le=1)
-    # PPO/GRPO: upper clip bound (DAPO clip-higher); None means clip_eps
-    clip_eps_high: float | None = Field(None, ge=0)
-    # PPO/GRPO dual clip (arXiv:1912.09729): loss ≤ −c·A for A < 0; c > 1; None = off.
-    dual_clip_c: float | None = None
-    # GRPO's (and cispo/gspo/icepop/m2po/vespo's) group std: 0 population, 1 sample std (verl / TRL)
-    std_ddof: Literal[0, 1] = 0
-    # cispo: lower clip ε_low^IS of the IS weight (1 − ε_low); null = no lower bound (arXiv:2506.13585)
-    cispo_eps_low: float | None = Field(None, ge=0, le=1)
-    # cispo: upper clip ε_high^IS of the stop-gradient IS weight (1 + ε_high)
-    cispo_eps_high: float = Field(0.28, ge=0)
-    # gspo: lower clip of the sequence ratio s (1 − ε), 3e-4 in arXiv:2507.18071
-    gspo_eps_low: float = Field(3e-4, ge=0, le=1)
-    # gspo: upper clip of the sequence ratio s (1 + ε), 4e-4 in arXiv:2507.18071
-    gspo_eps_high: float = Field(4e-4, ge=0)
-    # icepop: tokens with ratio π/μ below α get no gradient (arXiv:2510.18855: 0.5)
-    icepop_alpha: float = Field(0.5, ge=0)
-    # icepop: tokens with ratio π/μ above β get no gradient (arXiv:2510.18855: 5)
-    icepop_beta: float = Field(5.0, gt=0)
-    # icepop: mask per token (ratio π_t/μ_t) or per record (ratio π(y)/μ(y), TRL's sequence_mask)
-    icepop_level: Literal["token", "sequence"] = "token"
-    # icepop: token-mean over the batch's tokens (verl/TRL default, kept for existing runs) or
-    # seq-mean-token-mean, the paper's GRPO 1/G Σ_i 1/|o_i| Σ_t (arXiv:2510.18855)
-    icepop_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
-    # m2po: second-moment budget τ_M2 of mean (log π/μ)² over the kept tokens that m2po_mask
-    # covers (arXiv:2510.01161)
-    m2po_tau: float = Field(0.04, gt=0)
-    # m2po: tokens the mask covers: trust_region (the paper's Algorithm 1: Â>0 & r>1 or Â<0 &
-    # r<1, the others always kept) or all_tokens (AReaL's Oct-2025 variant)
-    m2po_mask: Literal["trust_region", "all_tokens"] = "trust_region"
-    # vespo: shape k of φ(W) = W^k e^{λ(1−W)} for records with advantage ≥ 0 (arXiv:2602.10693)
-    vespo_k_pos: float = Field(2.0, ge=0)
-    # vespo: rate λ of φ(W) for records with advantage ≥ 0
-    vespo_lambda_pos: float = Field(3.0, gt=0)
-    # vespo: shape k of φ(W) for records with advantage < 0
-    vespo_k_neg: float = Field(3.0, ge=0)
-    # vespo: rate λ of φ(W) for records with advantage < 0
-    vespo_lambda_neg: float = Field(2.0, gt=0)
-    # verl's names. None = the loss's own: token-mean for ppo (token ratios) and grpo; for
-    # the TOPR family length_norm's per-record normalisation (seq-mean-token-mean / -sum).
-    aggregation: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] | None = None
-    # FPA: extrapolation λ of softmax((1+λ)h_θ − λh_ref) (FPA eq. 3)
-    fpa_lambda: float = Field(1.0, ge=0)
-    # FPA: which records get the extrapolated weight
-    fpa_on: Literal["both", "negatives", "positives"] = "both"
-    kl_tau: float = Field(0.04, ge=0)  # off_rl_kl: weight τ of KL(π_ref‖π) (FPA eq. 33)
-    # off_rl_kl: exact per-token KL(π_ref‖π_θ) over the vocabulary (needs train.ref_logprobs:
-    # model) instead of the sample estimate logπ_ref(y) − logπ_θ(y) (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL).
-    kl_exact: bool = False
-    beta: float = Field(0.1, gt=0)  # DPO/RPO/KTO: β of the implicit reward
-    rpo_alpha: float = 1.0  # RPO: weight α of the chosen answers' NLL term
-    apo_beta1: float = Field(0.5, gt=0)  # A*-PO: β₁ of the soft value V̂
-    apo_beta2: float = Field(1e-3, gt=0)  # A*-PO: β₂ of the regression target
     # vocabulary columns per chunk of the log-prob kernel (peak memory vs speed, docs/kernels.md)
     logprob_chunk_size: int = Field(4096, gt=0)
     # μ for π/μ: trainer = the score pass's mu_logprobs, sampler = the sampler's own log-probs
@@ -197,67 +140,37 @@ class LossConfig(Section):
     @field_validator("name")
     @classmethod
     def _known_loss(cls, name: str) -> str:
-        from jaxrl_llm.losses.registry import loss_spec  # lazy: the kernels import jax
-
         loss_spec(name)  # ValueError listing the choices
         return name
 
-    @field_validator("dual_clip_c")
-    @classmethod
-    def _dual_clip_above_one(cls, c: float | None) -> float | None:
-        if c is not None and not c > 1.0:
-            raise ValueError(
-                "dual clip needs c > 1 (dual-clip PPO, arXiv:1912.09729: c ≤ 1 would cap "
-                "negative-advantage losses at or below the unclipped value); e.g. 3.0, or null"
-            )
-        return c
-
     @model_validator(mode="after")
-    def _options_read_by_the_loss(self) -> LossConfig:
-        """An option the chosen loss does not read is an error, never silently ignored."""
-        from jaxrl_llm.losses.registry import loss_spec
-
-        family = loss_spec(self.name).family
-        clip_family = family in ("ppo", "group")
-        unread = {
-            "ratio_level=geometric": self.ratio_level == "geometric" and family != "topr",
-            "ratio_level": self.ratio_level != "sequence" and family not in ("topr", "ppo"),
-            "clip_eps_low": self.clip_eps_low is not None and not clip_family,
-            "clip_eps_high": self.clip_eps_high is not None and not clip_family,
-            "dual_clip_c": self.dual_clip_c is not None and not clip_family,
-            "std_ddof": self.std_ddof != 0 and self.name != "grpo" and family != "stale_is",
-            "aggregation": self.aggregation is not None and (
-                (family not in ("topr", "ppo") and self.name != "grpo")
-                or (family == "ppo" and self.ratio_level != "token")),
-        }
-        bad = [key for key, unused in unread.items() if unused]
-        if bad:
-            raise ValueError(
-                f"loss.{bad[0]} has no effect with loss.name={self.name} (ratio_level="
-                f"{self.ratio_level}): geometric ratios are for the TOPR family, clip options "
-                "for ppo/grpo/dr_grpo, std_ddof for grpo and cispo/gspo/icepop/m2po/vespo, "
-                "aggregation for the TOPR family, grpo "
-                "and ppo with ratio_level=token (dr_grpo fixes seq-mean-token-sum-norm); "
-                "remove the key"
-            )
-        for key, field in type(self).model_fields.items():  # cispo_*, gspo_*, ..., vespo_*
-            owner = key.split("_")[0]
-            # a default value is unset (a run's saved config holds every key)
-            if (owner in _STALE_IS_LOSSES and owner != self.name
-                    and getattr(self, key) != field.default):
-                raise ValueError(f"loss.{key} has no effect with loss.name={self.name}: it is "
-                                 f"an option of loss.name={owner}; remove the key")
-        if self.icepop_alpha >= self.icepop_beta:
-            raise ValueError(f"loss.icepop_alpha={self.icepop_alpha} must be < "
-                             f"loss.icepop_beta={self.icepop_beta}: IcePop keeps the ratios "
-                             "in [α, β] (arXiv:2510.18855: 0.5, 5)")
-        if family == "topr" and self.aggregation is not None and not self.length_norm:
-            raise ValueError(
-                f"loss.length_norm=false and loss.aggregation={self.aggregation} both choose "
-                "the TOPR normalisation; length_norm=false is aggregation=seq-mean-token-sum: "
-                "set only loss.aggregation"
-            )
+    def _options_read_by_the_loss(self) -> _LossSection:
+        """An option the chosen loss does not read is an error, never silently ignored; then
+        the loss's own checks of its values (`registry.option_problem`)."""
+        problem = option_problem(self.spec, dict(self))
+        if problem:
+            raise ValueError(problem)
         return self
+
+    @property
+    def spec(self) -> LossSpec:
+        """The registry entry of `name` (checked when the section was validated): what the
+        rest of the package reads about the chosen loss, instead of looking it up by name.
+        Not stored on the model, so copies and equality see only the config's values."""
+        return loss_spec(self.name)
+
+
+def _option_field(option: Option) -> tuple[Any, Any]:
+    """A registry option as a pydantic field; its description names the losses reading it."""
+    return option.type, Field(option.default, description=f"{', '.join(owners(option.key))}: "
+                              f"{option.doc}", **option.bounds())
+
+
+# The `loss:` section: the fields above plus every registry option (`registry.OPTIONS`).
+LossConfig = create_model(  # type: ignore[call-overload]
+    "LossConfig", __base__=_LossSection, __module__=__name__, __doc__=_LossSection.__doc__,
+    **{key: _option_field(option) for key, option in OPTIONS.items()},
+)
 
 
 class OptimConfig(Section):
@@ -497,9 +410,7 @@ class ExperimentConfig(Section):
     @model_validator(mode="after")
     def _pack_needs_unpaired_loss(self) -> ExperimentConfig:
         # The one config-level check; the loader and the loss guard their own inputs too.
-        from jaxrl_llm.losses.registry import loss_spec
-
-        if self.data.pack and loss_spec(self.loss.name).needs_pairs:
+        if self.data.pack and self.loss.spec.needs_pairs:
             raise ValueError(
                 f"data.pack=true cannot train loss.name={self.loss.name}: its pairs index rows "
                 "(pair_index), not packed records; set data.pack=false"

@@ -347,12 +347,11 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
     """
     import jax
 
-    from jaxrl_llm.core.errors import ConfigError
     from jaxrl_llm.data.stages import stage_input
-    from jaxrl_llm.losses.registry import loss_spec
+    from jaxrl_llm.core.errors import ConfigError
 
     d, t = config.data, config.train
-    spec = loss_spec(config.loss.name)
+    spec = config.loss.spec
     directory = stage_input(config, "train", directory)
     pidx = jax.process_index() if process_index is None else process_index
     pcount = jax.process_count() if process_count is None else process_count

@@ -94,9 +94,7 @@ def stage_output(config: Any, stage: str, override: str | epath.PathLike | None 
 def needs_score(config: Any) -> bool:
     """True when the loss reads what `score` writes: μ (`needs_mu`, loss.mu_source=trainer) or
     π_ref from the records (`needs_ref`, train.ref_logprobs=batch)."""
-    from jaxrl_llm.losses.registry import loss_spec
-
-    spec = loss_spec(config.loss.name)
+    spec = config.loss.spec
     return ((spec.needs_mu and config.loss.mu_source == "trainer")
             or (spec.needs_ref and config.train.ref_logprobs == "batch"))
 
@@ -113,9 +111,8 @@ def has_mu(directory: str | epath.PathLike) -> bool:
 def check_mu(config: Any, directory: str | epath.PathLike) -> None:
     """Refuse, before training starts, records without μ for a loss that reads μ."""
     from jaxrl_llm.core.errors import ConfigError
-    from jaxrl_llm.losses.registry import loss_spec
 
-    if not (loss_spec(config.loss.name).needs_mu and config.loss.mu_source == "trainer"):
+    if not (config.loss.spec.needs_mu and config.loss.mu_source == "trainer"):
         return
     if not has_mu(directory):
         raise ConfigError(

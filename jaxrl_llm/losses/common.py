@@ -35,7 +35,7 @@ AGGREGATIONS: tuple[str, ...] = (
 # ----------------------------------------------------------------------------- input checks
 
 
-def _check_tokens(**arrays: Array | None) -> tuple[int, int]:
+def check_tokens(**arrays: Array | None) -> tuple[int, int]:
     """All given per-token arrays are [B, T] of one shape; log-probs are floating point."""
     named = {k: v for k, v in arrays.items() if v is not None}
     first_name, first = next(iter(named.items()))
@@ -51,7 +51,7 @@ def _check_tokens(**arrays: Array | None) -> tuple[int, int]:
     return shape  # type: ignore[return-value]
 
 
-def _check_records(batch: int, **arrays: Array | None) -> None:
+def check_records(batch: int, **arrays: Array | None) -> None:
     for name, value in arrays.items():
         if value is None:
             continue
@@ -63,20 +63,20 @@ def _check_records(batch: int, **arrays: Array | None) -> None:
 
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
-def _record_weights(record_mask: Array | None, batch: int) -> Array:
+def record_weights(record_mask: Array | None, batch: int) -> Array:
     if record_mask is None:
         return jnp.ones((batch,), jnp.float32)
     return jnp.asarray(record_mask).astype(jnp.float32)
 
 
-def _weights(mask: Array, record_mask: Array | None, batch: int) -> tuple[Array, Array]:
+def token_record_weights(mask: Array, record_mask: Array | None, batch: int) -> tuple[Array, Array]:
     """Token weights (zeroed on padding rows, so their garbage never enters) and record weights."""
-    rm = _record_weights(record_mask, batch)
+    rm = record_weights(record_mask, batch)
     m = jnp.asarray(mask).astype(jnp.float32) * (rm > 0)[:, None]
     return m, rm
 
@@ -84,37 +84,37 @@ def _weights(mask: Array, record_mask: Array | None, batch: int) -> tuple[Array,
 # ----------------------------------------------------------------------------- shared maths
 
 
-def _token_weights(mask: Array) -> Array:
+def token_weights(mask: Array) -> Array:
     return jnp.asarray(mask).astype(jnp.float32)
 
 
-def _masked(x: Array, m: Array) -> Array:
+def masked(x: Array, m: Array) -> Array:
     """`x` on tokens with m > 0 and 0 elsewhere (garbage in padding cannot leak, not even NaN)."""
     return jnp.where(m > 0, jnp.asarray(x, jnp.float32), 0.0)
 
 
 def sequence_logprob(logp: Array, mask: Array) -> Array:
     """`log π(y|x) = Σ_t mask_t logπ_t` per record [B] (docs/kernels.md notation)."""
-    m = _token_weights(mask)
-    return jnp.sum(_masked(logp, m) * m, axis=-1)
+    m = token_weights(mask)
+    return jnp.sum(masked(logp, m) * m, axis=-1)
 
 
 def completion_lengths(mask: Array) -> Array:
     """`|y| = Σ_t mask_t` per record [B]."""
-    return jnp.sum(_token_weights(mask), axis=-1)
+    return jnp.sum(token_weights(mask), axis=-1)
 
 
-def _safe_len(m: Array) -> Array:
+def safe_len(m: Array) -> Array:
     return jnp.maximum(jnp.sum(m, axis=-1), 1.0)
 
 
-def _wmean(x: Array, w: Array) -> Array:
+def wmean(x: Array, w: Array) -> Array:
     """Weighted mean; 0 when the weights sum to 0."""
     x = jnp.where(w > 0, x, 0.0)
     return jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1e-12)
 
 
-def _wmax(x: Array, w: Array) -> Array:
+def wmax(x: Array, w: Array) -> Array:
     """Max over entries with w > 0; 0 when there are none."""
     any_valid = jnp.any(w > 0)
     return jnp.where(any_valid, jnp.max(jnp.where(w > 0, x, -jnp.inf)), 0.0)
@@ -133,7 +133,7 @@ def aggregate_records(
     the record-level ones (TOPR's taper value is a per-record quantity, i.e. the token sum
     of its stop-gradient per-token form `−A·sg(w)·logπ_t`).
     """
-    _choice("aggregation", mode, AGGREGATIONS)
+    check_choice("aggregation", mode, AGGREGATIONS)
     rm = record_mask
     if mode == "token-mean":
         return jnp.sum(rm * token_sums), jnp.sum(rm * lengths)
@@ -166,9 +166,9 @@ def aggregate(
     `#records` is Σ record_mask. Summing both outputs over micro-batches gives the exact
     full-batch value of every mode (for the seq-mean modes, because `max_len` is a constant).
     """
-    _choice("mode", mode, AGGREGATIONS)
-    b, t = _check_tokens(per_token_loss=per_token_loss, mask=mask)
-    _check_records(b, record_mask=record_mask)
-    m, rm = _weights(mask, record_mask, b)
-    sums = jnp.sum(_masked(per_token_loss, m) * m, axis=-1)
+    check_choice("mode", mode, AGGREGATIONS)
+    b, t = check_tokens(per_token_loss=per_token_loss, mask=mask)
+    check_records(b, record_mask=record_mask)
+    m, rm = token_record_weights(mask, record_mask, b)
+    sums = jnp.sum(masked(per_token_loss, m) * m, axis=-1)
     return aggregate_records(sums, jnp.sum(m, axis=-1), rm, mode, t if max_len is None else max_len)

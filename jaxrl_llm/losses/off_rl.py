@@ -16,17 +16,17 @@ from jaxrl_llm.losses.common import (
     Aggregation,
     Array,
     Scalar,
-    _check_records,
-    _check_tokens,
-    _choice,
-    _masked,
-    _safe_len,
-    _token_weights,
-    _weights,
-    _wmax,
-    _wmean,
     aggregate,
+    check_choice,
+    check_records,
+    check_tokens,
+    masked,
+    safe_len,
     sequence_logprob,
+    token_record_weights,
+    token_weights,
+    wmax,
+    wmean,
 )
 from jaxrl_llm.losses.types import LossOutput
 
@@ -55,21 +55,21 @@ def _off_rl_metrics(
     out = {
         "num_correct": jnp.sum(wc),
         "num_incorrect": jnp.sum(wi),
-        "pi_norm_mean_correct": _wmean(pi_norm, wc),
-        "pi_norm_mean_incorrect": _wmean(pi_norm, wi),
+        "pi_norm_mean_correct": wmean(pi_norm, wc),
+        "pi_norm_mean_incorrect": wmean(pi_norm, wi),
         "count_pi_below_0.2_incorrect": jnp.sum(wi * (pi_norm < 0.2)),
     }
     if norm_logp_hat is not None:
         hat_norm = jnp.exp(jnp.minimum(norm_logp_hat, LOG_RATIO_CAP))
         out |= {
-            "pi_hat_norm_mean_correct": _wmean(hat_norm, wc),
-            "pi_hat_norm_mean_incorrect": _wmean(hat_norm, wi),
+            "pi_hat_norm_mean_correct": wmean(hat_norm, wc),
+            "pi_hat_norm_mean_incorrect": wmean(hat_norm, wi),
             "count_pi_hat_below_0.2_incorrect": jnp.sum(wi * (hat_norm < 0.2)),
         }
     if seq_ref_diff is not None:
         out |= {
-            "logp_minus_ref_mean_correct": _wmean(seq_ref_diff, wc),
-            "logp_minus_ref_mean_incorrect": _wmean(seq_ref_diff, wi),
+            "logp_minus_ref_mean_correct": wmean(seq_ref_diff, wc),
+            "logp_minus_ref_mean_incorrect": wmean(seq_ref_diff, wi),
         }
     return out
 
@@ -92,11 +92,11 @@ def off_rl_loss(
 
     `correct [B]` (default `R > 0`) and `ref_logp [B, T]` only feed the metrics.
     """
-    b, _ = _check_tokens(logp=logp, mask=mask, ref_logp=ref_logp)
-    _check_records(b, rewards=rewards, correct=correct, record_mask=record_mask)
-    m, rm = _weights(mask, record_mask, b)
+    b, _ = check_tokens(logp=logp, mask=mask, ref_logp=ref_logp)
+    check_records(b, rewards=rewards, correct=correct, record_mask=record_mask)
+    m, rm = token_record_weights(mask, record_mask, b)
     r = jnp.where(rm > 0, jnp.asarray(rewards, jnp.float32), 0.0)
-    norm_logp = sequence_logprob(logp, m) / _safe_len(m)
+    norm_logp = sequence_logprob(logp, m) / safe_len(m)
     per_record = -r * jnp.exp(jnp.minimum(norm_logp, LOG_RATIO_CAP))
     ref_diff = None if ref_logp is None else _ref_diff(logp, ref_logp, m)
     metrics = _off_rl_metrics(norm_logp, None, ref_diff, _correct_flags(correct, rewards), rm)
@@ -123,13 +123,13 @@ def fpa_loss(
     Off-RL's gradient (as does every record when `logp_hat == logp`, i.e. λ = 0).
     Correctness is `correct [B]` when given, else `R > 0`.
     """
-    _choice("fpa_on", fpa_on, ("both", "negatives", "positives"))
-    b, _ = _check_tokens(logp=logp, logp_hat=logp_hat, mask=mask, ref_logp=ref_logp)
-    _check_records(b, rewards=rewards, correct=correct, record_mask=record_mask)
-    m, rm = _weights(mask, record_mask, b)
+    check_choice("fpa_on", fpa_on, ("both", "negatives", "positives"))
+    b, _ = check_tokens(logp=logp, logp_hat=logp_hat, mask=mask, ref_logp=ref_logp)
+    check_records(b, rewards=rewards, correct=correct, record_mask=record_mask)
+    m, rm = token_record_weights(mask, record_mask, b)
     r = jnp.where(rm > 0, jnp.asarray(rewards, jnp.float32), 0.0)
     is_correct = _correct_flags(correct, rewards)
-    length = _safe_len(m)
+    length = safe_len(m)
     norm_logp = sequence_logprob(logp, m) / length
     norm_hat = sequence_logprob(logp_hat, m) / length
     if fpa_on == "both":
@@ -143,7 +143,7 @@ def fpa_loss(
     per_record = -r * w * norm_logp
     ref_diff = None if ref_logp is None else _ref_diff(logp, ref_logp, m)
     metrics = _off_rl_metrics(norm_logp, norm_hat, ref_diff, is_correct, rm)
-    metrics["fpa_weight_mean"] = _wmean(w, rm)
+    metrics["fpa_weight_mean"] = wmean(w, rm)
     return LossOutput(jnp.sum(rm * per_record), jnp.sum(rm), metrics)
 
 
@@ -158,7 +158,7 @@ def kl_token_values(
     k1 `−δ`, k2 `δ²/2`, k3 `exp(δ) − 1 − δ`. Unmasked: combine with a mask yourself or use
     `kl_penalty` / `kl_per_record`.
     """
-    _choice("kind", kind, ("k1", "k2", "k3"))
+    check_choice("kind", kind, ("k1", "k2", "k3"))
     delta = jnp.clip(
         jnp.asarray(ref_logp, jnp.float32) - jnp.asarray(logp, jnp.float32),
         -KL_DELTA_CLAMP, KL_DELTA_CLAMP,
@@ -178,9 +178,9 @@ def kl_per_record(
     The penalty is data for the reward, so take `stop_gradient` of it if you compute it
     inside a differentiated function.
     """
-    _check_tokens(logp=logp, ref_logp=ref_logp, mask=mask)
-    m = _token_weights(mask)
-    k = kl_token_values(_masked(logp, m), _masked(ref_logp, m), kind)
+    check_tokens(logp=logp, ref_logp=ref_logp, mask=mask)
+    m = token_weights(mask)
+    k = kl_token_values(masked(logp, m), masked(ref_logp, m), kind)
     return jnp.sum(k * m, axis=-1)
 
 
@@ -196,13 +196,13 @@ def kl_penalty(
 ) -> LossOutput:
     """KL(π_θ‖π_ref) estimator as a loss term (docs/kernels.md § TOPR family, PPO, GRPO, Off-RL, FPA, KL): per-token `k(δ)` reduced by
     `aggregation` (add `coef · total/weight` to a policy loss)."""
-    b, _ = _check_tokens(logp=logp, ref_logp=ref_logp, mask=mask)
-    _check_records(b, record_mask=record_mask)
-    m, rm = _weights(mask, record_mask, b)
-    per_token = kl_token_values(_masked(logp, m), _masked(ref_logp, m), kind)
+    b, _ = check_tokens(logp=logp, ref_logp=ref_logp, mask=mask)
+    check_records(b, record_mask=record_mask)
+    m, rm = token_record_weights(mask, record_mask, b)
+    per_token = kl_token_values(masked(logp, m), masked(ref_logp, m), kind)
     total, weight = aggregate(per_token, m, aggregation, max_len, rm)
     w = m * rm[:, None]
-    metrics = {f"kl_{kind}_token_mean": _wmean(per_token, w), "kl_token_max": _wmax(per_token, w)}
+    metrics = {f"kl_{kind}_token_mean": wmean(per_token, w), "kl_token_max": wmax(per_token, w)}
     return LossOutput(total, weight, metrics)
 
 
@@ -244,20 +244,20 @@ def off_rl_kl_loss(
     instead. **(choice)** `kl_length_norm=True` divides the per-record KL by |y| (a per-token
     mean), matching Off-RL's length-normalised scale; `False` keeps the sequence KL.
     """
-    b, _ = _check_tokens(logp=logp, ref_logp=ref_logp, mask=mask, token_kl=token_kl)
-    _check_records(b, rewards=rewards, correct=correct, record_mask=record_mask)
+    b, _ = check_tokens(logp=logp, ref_logp=ref_logp, mask=mask, token_kl=token_kl)
+    check_records(b, rewards=rewards, correct=correct, record_mask=record_mask)
     base = off_rl_loss(logp, mask, rewards, correct=correct, ref_logp=ref_logp,
                        record_mask=record_mask)
-    m, rm = _weights(mask, record_mask, b)
+    m, rm = token_record_weights(mask, record_mask, b)
     if token_kl is None:
         kl = sequence_logprob(ref_logp, m) - sequence_logprob(logp, m)
     else:
-        kl = jnp.sum(_masked(token_kl, m) * m, axis=-1)
+        kl = jnp.sum(masked(token_kl, m) * m, axis=-1)
     if kl_length_norm:
-        kl = kl / _safe_len(m)
+        kl = kl / safe_len(m)
     kl_total = jnp.sum(rm * kl)
     tau = jnp.asarray(tau, jnp.float32)
     metrics = dict(base.metrics)
-    metrics["kl_forward_mean"] = _wmean(kl, rm)
+    metrics["kl_forward_mean"] = wmean(kl, rm)
     metrics["off_rl_loss"] = base.total / jnp.maximum(base.weight, 1e-12)
     return LossOutput(base.total + tau * kl_total, base.weight, metrics)

@@ -28,18 +28,18 @@ from jaxrl_llm.losses.common import (  # noqa: F401 (re-exported)
     Aggregation,
     Array,
     Scalar,
-    _check_records,
-    _check_tokens,
-    _choice,
-    _masked,
-    _safe_len,
-    _weights,
-    _wmax,
-    _wmean,
     aggregate,
     aggregate_records,
+    check_choice,
+    check_records,
+    check_tokens,
     completion_lengths,
+    masked,
+    safe_len,
     sequence_logprob,
+    token_record_weights,
+    wmax,
+    wmean,
 )
 from jaxrl_llm.losses.off_rl import (  # noqa: F401 (re-exported)
     KL_DELTA_CLAMP,
@@ -143,12 +143,12 @@ def _sign_split_metrics(
     below = (log_ratio < lo).astype(jnp.float32)
     above = (log_ratio > hi).astype(jnp.float32)
     return {
-        "clip_frac_pos_low": _wmean(below, wp),
-        "clip_frac_pos_high": _wmean(above, wp),
-        "clip_frac_neg_low": _wmean(below, wn),
-        "clip_frac_neg_high": _wmean(above, wn),
-        "log_ratio_mean_pos": _wmean(log_ratio, wp),
-        "log_ratio_mean_neg": _wmean(log_ratio, wn),
+        "clip_frac_pos_low": wmean(below, wp),
+        "clip_frac_pos_high": wmean(above, wp),
+        "clip_frac_neg_low": wmean(below, wn),
+        "clip_frac_neg_high": wmean(above, wn),
+        "log_ratio_mean_pos": wmean(log_ratio, wp),
+        "log_ratio_mean_neg": wmean(log_ratio, wn),
     }
 
 
@@ -195,7 +195,7 @@ def _topr_aggregation(aggregation: Aggregation | None, length_norm: bool) -> str
     """The aggregation mode: the given one, else `length_norm`'s per-record normalisation."""
     if aggregation is None:
         return "seq-mean-token-mean" if length_norm else "seq-mean-token-sum"
-    _choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
     if not length_norm:
         raise ValueError(
             f"topr_loss: length_norm=False and aggregation={aggregation!r} both choose the "
@@ -247,21 +247,21 @@ def topr_loss(
     are exact. Presets: `TOPR_PRESETS` / `topr_preset(name)`.
     Returns `total`, `weight` of the aggregation (records, or tokens for token-mean).
     """
-    _choice("ratio_level", ratio_level, RATIO_LEVELS)
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
     mode = _topr_aggregation(aggregation, length_norm)
-    b, t = _check_tokens(logp=logp, logmu=logmu, mask=mask)
-    _check_records(b, rewards=rewards, record_mask=record_mask)
+    b, t = check_tokens(logp=logp, logmu=logmu, mask=mask)
+    check_records(b, rewards=rewards, record_mask=record_mask)
     if jnp.shape(baseline) not in ((), (b,)):
         raise ValueError(f"baseline must be a scalar or shape ({b},), got {jnp.shape(baseline)}")
     _check_bounds(a_pos=a_pos, b_pos=b_pos, a_neg=a_neg, b_neg=b_neg)
 
-    m, rm = _weights(mask, record_mask, b)
+    m, rm = token_record_weights(mask, record_mask, b)
     adv = jnp.asarray(rewards, jnp.float32) - jnp.asarray(baseline, jnp.float32)
     adv = jnp.where(rm > 0, adv, 0.0)
     positive = adv >= 0
     lo_p, hi_p = _log_bounds(a_pos, b_pos, log_ratio_cap)
     lo_n, hi_n = _log_bounds(a_neg, b_neg, log_ratio_cap)
-    token_log_ratio = _masked(logp, m) - _masked(logmu, m)
+    token_log_ratio = masked(logp, m) - masked(logmu, m)
     taper_sum, unit_ell, unit_m, lo, hi = _taper_sums(
         token_log_ratio, m, jnp.where(positive, lo_p, lo_n), jnp.where(positive, hi_p, hi_n),
         ratio_level,
@@ -276,8 +276,8 @@ def topr_loss(
     log_alpha = jnp.minimum(jnp.maximum(unit_ell, lo), hi)
     metrics = {
         "objective": -total / jnp.maximum(weight, 1e-12),
-        "log_ratio_mean": _wmean(unit_ell, unit_w),
-        "log_ratio_max": _wmax(unit_ell, unit_w),
+        "log_ratio_mean": wmean(unit_ell, unit_w),
+        "log_ratio_max": wmax(unit_ell, unit_w),
         "num_pos": jnp.sum(rm * positive),
         "num_neg": jnp.sum(rm * (~positive)),
         "effective_pos_fraction": (

@@ -27,14 +27,14 @@ from jaxrl_llm.losses.common import (
     Aggregation,
     Array,
     Scalar,
-    _check_records,
-    _check_tokens,
-    _choice,
-    _masked,
-    _weights,
-    _wmax,
-    _wmean,
     aggregate,
+    check_choice,
+    check_records,
+    check_tokens,
+    masked,
+    token_record_weights,
+    wmax,
+    wmean,
 )
 from jaxrl_llm.losses.types import LossOutput
 
@@ -68,7 +68,7 @@ def check_dual_clip(dual_clip_c: Scalar | None) -> None:
         raise ValueError(f"dual_clip_c must be a scalar > 1 (dual-clip PPO), got {dual_clip_c!r}")
 
 
-def _clipped_surrogate(
+def clipped_surrogate(
     ell: Array, adv: Array, eps_low: Array, eps_high: Array, dual_clip_c: Scalar | None,
     cap: float,
 ) -> tuple[Array, Array, Array]:
@@ -89,15 +89,15 @@ def _clipped_surrogate(
 def _surrogate_metrics(ell, eps_low, eps_high, clipped, dual, w, adv_w,
                        dual_on: bool) -> dict[str, Array]:
     out = {
-        "log_ratio_mean": _wmean(ell, w),
-        "log_ratio_max": _wmax(ell, w),
-        "clip_frac": _wmean(clipped.astype(jnp.float32), w),
-        "clip_frac_low": _wmean((ell < jnp.log1p(-eps_low)).astype(jnp.float32), w),
-        "clip_frac_high": _wmean((ell > jnp.log1p(eps_high)).astype(jnp.float32), w),
+        "log_ratio_mean": wmean(ell, w),
+        "log_ratio_max": wmax(ell, w),
+        "clip_frac": wmean(clipped.astype(jnp.float32), w),
+        "clip_frac_low": wmean((ell < jnp.log1p(-eps_low)).astype(jnp.float32), w),
+        "clip_frac_high": wmean((ell > jnp.log1p(eps_high)).astype(jnp.float32), w),
         "advantage_mean": adv_w,
     }
     if dual_on:
-        out["clip_frac_dual"] = _wmean(dual.astype(jnp.float32), w)
+        out["clip_frac_dual"] = wmean(dual.astype(jnp.float32), w)
     return out
 
 
@@ -124,29 +124,29 @@ def ppo_loss(
     `ratio_level="token"` uses per-token ratios reduced with `aggregation`. `A = R − baseline`.
     `clip_eps_low/high` (DAPO clip-higher) and `dual_clip_c` as in the module docstring.
     """
-    _choice("ratio_level", ratio_level, ("sequence", "token"))
-    b, _ = _check_tokens(logp=logp, logmu=logmu, mask=mask)
-    _check_records(b, rewards=rewards, record_mask=record_mask)
+    check_choice("ratio_level", ratio_level, ("sequence", "token"))
+    b, _ = check_tokens(logp=logp, logmu=logmu, mask=mask)
+    check_records(b, rewards=rewards, record_mask=record_mask)
     eps_low, eps_high = clip_bounds(clip_eps, clip_eps_low, clip_eps_high)
     check_dual_clip(dual_clip_c)
-    m, rm = _weights(mask, record_mask, b)
+    m, rm = token_record_weights(mask, record_mask, b)
     adv = jnp.asarray(rewards, jnp.float32) - jnp.asarray(baseline, jnp.float32)
     adv = jnp.where(rm > 0, adv, 0.0)
-    token_log_ratio = _masked(logp, m) - _masked(logmu, m)
+    token_log_ratio = masked(logp, m) - masked(logmu, m)
     if ratio_level == "sequence":
         ell = jnp.sum(token_log_ratio * m, axis=-1)
-        per_record, clipped, dual = _clipped_surrogate(
+        per_record, clipped, dual = clipped_surrogate(
             ell, adv, eps_low, eps_high, dual_clip_c, log_ratio_cap)
         total, weight = jnp.sum(rm * per_record), jnp.sum(rm)
         w = rm
     else:
-        _choice("aggregation", aggregation, AGGREGATIONS)
+        check_choice("aggregation", aggregation, AGGREGATIONS)
         ell = token_log_ratio
-        per_token, clipped, dual = _clipped_surrogate(
+        per_token, clipped, dual = clipped_surrogate(
             ell, adv[:, None], eps_low, eps_high, dual_clip_c, log_ratio_cap)
         total, weight = aggregate(per_token, m, aggregation, max_len, rm)
         w = m * rm[:, None]
-    metrics = _surrogate_metrics(ell, eps_low, eps_high, clipped, dual, w, _wmean(adv, rm),
+    metrics = _surrogate_metrics(ell, eps_low, eps_high, clipped, dual, w, wmean(adv, rm),
                                  dual_clip_c is not None)
     return LossOutput(total, weight, metrics)
 
@@ -179,27 +179,27 @@ def grpo_loss(
     `dual_clip_c` is set) reduced by `aggregation`. Dr.GRPO = `scale_by_std=False,
     aggregation="seq-mean-token-sum-norm"` with a constant `max_len` (`dr_grpo_loss`).
     """
-    _choice("aggregation", aggregation, AGGREGATIONS)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
     check_ddof(std_ddof)
-    b, _ = _check_tokens(logp=logp, logmu=logmu, mask=mask)
-    _check_records(b, rewards=rewards, group_ids=group_ids, advantages=advantages,
+    b, _ = check_tokens(logp=logp, logmu=logmu, mask=mask)
+    check_records(b, rewards=rewards, group_ids=group_ids, advantages=advantages,
                    record_mask=record_mask)
     eps_low, eps_high = clip_bounds(clip_eps, clip_eps_low, clip_eps_high)
     check_dual_clip(dual_clip_c)
-    m, rm = _weights(mask, record_mask, b)
+    m, rm = token_record_weights(mask, record_mask, b)
     if advantages is None:
         adv = grpo_advantages(jnp.asarray(rewards, jnp.float32), group_ids, rm,
                               scale_by_std=scale_by_std, ddof=std_ddof)
     else:
         adv = jnp.where(rm > 0, jnp.asarray(advantages, jnp.float32), 0.0)
-    ell = _masked(logp, m) - _masked(logmu, m)
-    per_token, clipped, dual = _clipped_surrogate(
+    ell = masked(logp, m) - masked(logmu, m)
+    per_token, clipped, dual = clipped_surrogate(
         ell, adv[:, None], eps_low, eps_high, dual_clip_c, log_ratio_cap)
     total, weight = aggregate(per_token, m, aggregation, max_len, rm)
     w = m * rm[:, None]
-    metrics = _surrogate_metrics(ell, eps_low, eps_high, clipped, dual, w, _wmean(adv, rm),
+    metrics = _surrogate_metrics(ell, eps_low, eps_high, clipped, dual, w, wmean(adv, rm),
                                  dual_clip_c is not None)
-    metrics["advantage_abs_mean"] = _wmean(jnp.abs(adv), rm)
+    metrics["advantage_abs_mean"] = wmean(jnp.abs(adv), rm)
     return LossOutput(total, weight, metrics)
 
 

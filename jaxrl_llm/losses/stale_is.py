@@ -25,16 +25,16 @@ from jaxrl_llm.losses.common import (
     LOG_RATIO_CAP,
     Array,
     Scalar,
-    _check_records,
-    _check_tokens,
-    _choice,
-    _masked,
-    _weights,
-    _wmax,
-    _wmean,
     aggregate,
+    check_choice,
+    check_records,
+    check_tokens,
+    masked,
+    token_record_weights,
+    wmax,
+    wmean,
 )
-from jaxrl_llm.losses.ppo import _clipped_surrogate, clip_bounds
+from jaxrl_llm.losses.ppo import clip_bounds, clipped_surrogate
 from jaxrl_llm.losses.types import LossOutput
 
 IcePopLevel = Literal["token", "sequence"]
@@ -55,23 +55,23 @@ def _prepare(
     """Checked inputs as `(m, rm, Â, log r)`: token and record weights, advantages [B] and the
     per-token log-ratio `log π_t − log μ_t` (0 off the mask, so padding garbage never enters)."""
     check_ddof(std_ddof)
-    b, _ = _check_tokens(logp=logp, logmu=logmu, mask=mask)
-    _check_records(b, rewards=rewards, group_ids=group_ids, advantages=advantages,
+    b, _ = check_tokens(logp=logp, logmu=logmu, mask=mask)
+    check_records(b, rewards=rewards, group_ids=group_ids, advantages=advantages,
                    record_mask=record_mask)
-    m, rm = _weights(mask, record_mask, b)
+    m, rm = token_record_weights(mask, record_mask, b)
     if advantages is None:
         adv = grpo_advantages(jnp.asarray(rewards, jnp.float32), group_ids, rm,
                               scale_by_std=True, ddof=std_ddof)
     else:
         adv = jnp.where(rm > 0, jnp.asarray(advantages, jnp.float32), 0.0)
-    return m, rm, adv, _masked(logp, m) - _masked(logmu, m)
+    return m, rm, adv, masked(logp, m) - masked(logmu, m)
 
 
 def _ratio_metrics(ell: Array, w: Array, adv: Array, rm: Array) -> dict[str, Array]:
     """Token log-ratio statistics every μ-loss reports (the trainer checks log π/μ ≈ 0 at
     step 1), and the mean advantage."""
-    return {"log_ratio_mean": _wmean(ell, w), "log_ratio_max": _wmax(ell, w),
-            "advantage_mean": _wmean(adv, rm), "advantage_abs_mean": _wmean(jnp.abs(adv), rm)}
+    return {"log_ratio_mean": wmean(ell, w), "log_ratio_max": wmax(ell, w),
+            "advantage_mean": wmean(adv, rm), "advantage_abs_mean": wmean(jnp.abs(adv), rm)}
 
 
 # ----------------------------------------------------------------------------------- CISPO
@@ -101,14 +101,14 @@ def cispo_loss(
     r = jnp.exp(jnp.minimum(ell, log_ratio_cap))
     # the weight is a stop-gradient coefficient (eq. 4): clipping it never zeroes a gradient
     weight_t = sg(jnp.clip(r, lower, 1.0 + eps_high_))
-    per_token = -weight_t * adv[:, None] * _masked(logp, m)
+    per_token = -weight_t * adv[:, None] * masked(logp, m)
     total, weight = aggregate(per_token, m, "token-mean", record_mask=rm)
     w = m * rm[:, None]
     metrics = _ratio_metrics(ell, w, adv, rm)
     metrics.update(
-        clip_frac_high=_wmean((r > 1.0 + eps_high_).astype(jnp.float32), w),
-        clip_frac_low=_wmean((r < lower).astype(jnp.float32), w),
-        is_weight_mean=_wmean(weight_t, w),
+        clip_frac_high=wmean((r > 1.0 + eps_high_).astype(jnp.float32), w),
+        clip_frac_low=wmean((r < lower).astype(jnp.float32), w),
+        is_weight_mean=wmean(weight_t, w),
     )
     return LossOutput(total, weight, metrics)
 
@@ -138,15 +138,15 @@ def gspo_loss(
     eps_low_, eps_high_ = clip_bounds(eps_low, None, eps_high)
     lengths = jnp.sum(m, axis=-1)
     log_s = jnp.sum(ell * m, axis=-1) / jnp.maximum(lengths, 1.0)  # eq. 7: geometric mean
-    per_record, clipped, _ = _clipped_surrogate(log_s, adv, eps_low_, eps_high_, None,
+    per_record, clipped, _ = clipped_surrogate(log_s, adv, eps_low_, eps_high_, None,
                                                 log_ratio_cap)
     has_tokens = rm * (lengths > 0)  # an empty completion has no ratio and adds nothing
     total, weight = jnp.sum(has_tokens * per_record), jnp.sum(rm)
     metrics = _ratio_metrics(ell, m * rm[:, None], adv, rm)
     metrics.update(
-        clip_frac=_wmean(clipped.astype(jnp.float32), has_tokens),
-        seq_log_ratio_mean=_wmean(log_s, has_tokens),
-        seq_log_ratio_max=_wmax(log_s, has_tokens),
+        clip_frac=wmean(clipped.astype(jnp.float32), has_tokens),
+        seq_log_ratio_mean=wmean(log_s, has_tokens),
+        seq_log_ratio_max=wmax(log_s, has_tokens),
     )
     return LossOutput(total, weight, metrics)
 
@@ -186,25 +186,25 @@ def icepop_loss(
     `k = Π_t π_t/μ_t` per record (TRL's product), masking or keeping the whole record.
     Defaults α = 0.5, β = 5 are the paper's.
     """
-    _choice("level", level, ("token", "sequence"))
-    _choice("aggregation", aggregation, ("token-mean", "seq-mean-token-mean"))
+    check_choice("level", level, ("token", "sequence"))
+    check_choice("aggregation", aggregation, ("token-mean", "seq-mean-token-mean"))
     check_interval(alpha, beta)
     m, rm, adv, ell = _prepare(logp, logmu, mask, rewards, group_ids, advantages, record_mask,
                                std_ddof)
     log_k = ell if level == "token" else jnp.sum(ell * m, axis=-1, keepdims=True)
     k = jnp.exp(jnp.minimum(log_k, log_ratio_cap)) * jnp.ones_like(ell)
     keep = (k >= alpha) & (k <= beta)  # closed interval: a ratio on a bound is kept
-    lp = _masked(logp, m)
+    lp = masked(logp, m)
     # value M·k·Â, gradient M·k·Â·∇log π: k is a coefficient, as in TRL's detached is_ratio
     per_token = -jnp.where(keep, sg(k), 0.0) * adv[:, None] * jnp.exp(lp - sg(lp))
     total, weight = aggregate(per_token, m, aggregation, record_mask=rm)
     w = m * rm[:, None]
     metrics = _ratio_metrics(ell, w, adv, rm)
     metrics.update(
-        masked_frac=_wmean((~keep).astype(jnp.float32), w),
-        masked_frac_low=_wmean((k < alpha).astype(jnp.float32), w),
-        masked_frac_high=_wmean((k > beta).astype(jnp.float32), w),
-        is_weight_mean=_wmean(k, w * keep),
+        masked_frac=wmean((~keep).astype(jnp.float32), w),
+        masked_frac_low=wmean((k < alpha).astype(jnp.float32), w),
+        masked_frac_high=wmean((k > beta).astype(jnp.float32), w),
+        is_weight_mean=wmean(k, w * keep),
     )
     return LossOutput(total, weight, metrics)
 
@@ -249,7 +249,7 @@ def m2po_mask(log_ratio: Array, advantages: Array, valid: Array, tau: Scalar,
     """M2PO's keep mask `M` [B, T]: the drop loop (`m2po_keep_mask`) over the
     `m2po_trust_region` tokens, every other valid token kept (`tokens="trust_region"`, the
     paper's), or over every valid token (`"all_tokens"`, AReaL's)."""
-    _choice("mask_tokens", tokens, ("trust_region", "all_tokens"))
+    check_choice("mask_tokens", tokens, ("trust_region", "all_tokens"))
     region = valid if tokens == "all_tokens" else m2po_trust_region(log_ratio, advantages, valid)
     return (valid & ~region) | m2po_keep_mask(log_ratio, region, tau)
 
@@ -291,10 +291,10 @@ def m2po_loss(
     sq = jnp.square(log_r)
     metrics = _ratio_metrics(ell, w, adv, rm)
     metrics.update(
-        m2=_wmean(sq, w),
-        m2_kept=_wmean(sq, w * keep),
-        masked_frac=_wmean((valid & ~keep).astype(jnp.float32), w),
-        region_frac=_wmean(region.astype(jnp.float32), w),
+        m2=wmean(sq, w),
+        m2_kept=wmean(sq, w * keep),
+        masked_frac=wmean((valid & ~keep).astype(jnp.float32), w),
+        region_frac=wmean(region.astype(jnp.float32), w),
     )
     return LossOutput(total, weight, metrics)
 
@@ -330,12 +330,12 @@ def vespo_loss(
     lam = jnp.maximum(jnp.where(pos, lambda_pos, lambda_neg), 1e-4)
     log_phi = lam + k * jnp.log(jnp.maximum(big_w, 1e-8)) - lam * big_w
     phi = sg(jnp.nan_to_num(jnp.exp(log_phi), nan=0.0, posinf=0.0, neginf=0.0))
-    per_token = -phi[:, None] * adv[:, None] * _masked(logp, m)
+    per_token = -phi[:, None] * adv[:, None] * masked(logp, m)
     total, weight = aggregate(per_token, m, "token-mean", record_mask=rm)
     metrics = _ratio_metrics(ell, m * rm[:, None], adv, rm)
     metrics.update(
-        seq_log_ratio_mean=_wmean(seq_log_w, rm),
-        phi_mean=_wmean(phi, rm),
-        phi_max=_wmax(phi, rm),
+        seq_log_ratio_mean=wmean(seq_log_w, rm),
+        phi_mean=wmean(phi, rm),
+        phi_max=wmax(phi, rm),
     )
     return LossOutput(total, weight, metrics)

@@ -37,7 +37,6 @@ from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.losses.registry import loss_spec
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.online.rounds import (
@@ -64,7 +63,7 @@ class OnlineResult:
 def check_config(config: OnlineConfig) -> None:
     """Refuse what the loop cannot do, naming the key."""
     o, g, t = config.online, config.generate, config.train
-    spec = loss_spec(config.loss.name)
+    spec = config.loss.spec
     records = o.prompts_per_round * g.n
     if records != o.updates_per_round * t.batch_size:
         raise ConfigError(
@@ -141,7 +140,7 @@ def _mu(policy: Policy, config: OnlineConfig, run: _Run, records: list[Any]
         ) -> tuple[list[Any], dict[str, float]]:
     """Records with μ set (sampler's or re-scored), and the mismatch metrics when scored."""
     o = config.online
-    if not loss_spec(config.loss.name).needs_mu and o.mu_source != "trainer":
+    if not config.loss.spec.needs_mu and o.mu_source != "trainer":
         return records, {}
     if run.mu_source is None:
         run.mu_source = o.mu_source if o.mu_source != "auto" else (

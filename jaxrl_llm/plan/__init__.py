@@ -131,11 +131,10 @@ def abstract_batch(config: ExperimentConfig, mesh: Any) -> Any:
     import numpy as np
 
     from jaxrl_llm.data.batch import Batch
-    from jaxrl_llm.losses.registry import loss_spec
     from jaxrl_llm.parallel.rules import batch_sharding_tree
 
     b, t = config.train.batch_size, config.train.max_seq_len
-    pairs = b // 2 if loss_spec(config.loss.name).needs_pairs else 0
+    pairs = b // 2 if config.loss.spec.needs_pairs else 0
     # Packed rows (data.pack) carry k record slots each: per-record arrays are [B·k].
     r = b * config.data.records_per_row if config.data.pack else b
     shapes: dict[str, tuple[tuple[int, ...], Any]] = {

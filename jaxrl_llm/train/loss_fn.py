@@ -28,14 +28,13 @@ import jax
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch, records_view
-from jaxrl_llm.losses import policy_gradient as pg
 from jaxrl_llm.losses.advantages import grpo_advantages
 from jaxrl_llm.losses.logprobs import (
     extrapolated_logprobs,
     token_forward_kl_chunked,
     token_logprobs,
 )
-from jaxrl_llm.losses.registry import LossSpec, loss_spec
+from jaxrl_llm.losses.registry import LossSpec
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.train.monitors import as_metrics, token_monitors
@@ -45,7 +44,7 @@ def temperature(config: ExperimentConfig) -> float:
     """The temperature π's log-probs are computed at: the sampling temperature for losses
     whose ratio compares π with μ (scored at it); T = 1 for losses that compare π with π_ref,
     which the score pass writes at T = 1 — both sides must be one distribution family."""
-    if loss_spec(config.loss.name).needs_ref:
+    if config.loss.spec.needs_ref:
         return 1.0
     t = config.generate.temperature
     return float(t) if t > 0 else 1.0
@@ -54,14 +53,14 @@ def temperature(config: ExperimentConfig) -> float:
 def needs_full_batch(config: ExperimentConfig) -> bool:
     """Losses whose value couples rows across the batch in ways micro-batching would cut
     (`LossSpec.full_batch`: preference pairs, KTO's batch-mean z0, A*-PO's group values)."""
-    return loss_spec(config.loss.name).full_batch
+    return config.loss.spec.full_batch
 
 
 def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None:
     """Per-record advantages that need whole groups (GRPO family and the stale-sample losses,
     all std-scaled but Dr.GRPO), computed on the full batch before it is split into
     micro-batches; None for the other losses."""
-    if loss_spec(config.loss.name).family not in ("group", "stale_is"):
+    if config.loss.spec.family not in ("group", "stale_is"):
         return None
     return grpo_advantages(
         batch.rewards, batch.group_ids, batch.record_mask,
@@ -69,22 +68,14 @@ def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None
     )
 
 
-def _topr_bounds(config: ExperimentConfig) -> dict[str, float]:
-    """Preset bounds of `loss.name` (TOPR arXiv:2503.14286 Table 1), overridden by any bound set in the config."""
-    bounds = dict(pg.topr_preset(config.loss.name))
-    for key in ("a_pos", "b_pos", "a_neg", "b_neg"):
-        value = getattr(config.loss, key)
-        if value is not None:
-            bounds[key] = value
-    return bounds
-
-
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
-    """What a family binding reads: the config, batch, per-record token arrays and the
-    (lazily computed) reference log-probs and extra kernel inputs."""
+    """What a family binding reads: the config, the loss's options as its kernel's keywords
+    (`LossSpec.kernel_options`), batch, per-record token arrays and the (lazily computed)
+    reference log-probs and extra kernel inputs."""
 
     config: ExperimentConfig
+    options: dict[str, Any]
     batch: Batch
     logp: jax.Array
     logmu: jax.Array
@@ -122,7 +113,7 @@ def compute_loss(
     vocabulary chunk at a time (`losses.vocab_chunks.RowSharding`).
     """
     lc = config.loss
-    spec = loss_spec(lc.name)
+    spec = lc.spec
     tau = temperature(config)
     chunk = lc.logprob_chunk_size
     k = batch.records_per_row
@@ -152,7 +143,7 @@ def compute_loss(
     logmu = per_record(
         batch.mu_logprobs if lc.mu_source == "trainer" else batch.behavior_logprobs
     )
-    inputs = _Inputs(config, batch, logp, logmu, per_record(batch.loss_mask), ref_logp,
+    inputs = _Inputs(config, spec.kernel_options(dict(lc)), batch, logp, logmu, per_record(batch.loss_mask), ref_logp,
                      per_record, hidden, unembed, ref_hidden, ref_unembed, softcap, advantages,
                      row_sharding)
     out = _BINDINGS[spec.family](spec, inputs)
@@ -164,59 +155,21 @@ def compute_loss(
 
 
 def _topr_family(spec: LossSpec, x: _Inputs) -> LossOutput:
-    lc, b = x.config.loss, x.batch
-    return pg.topr_loss(
-        x.logp, x.logmu, x.mask, b.rewards, **_topr_bounds(x.config), baseline=lc.baseline,
-        length_norm=lc.length_norm, ratio_level=lc.ratio_level, aggregation=lc.aggregation,
-        max_len=b.seq_len, record_mask=b.record_mask,
-    )
-
-
-def _clip_options(config: ExperimentConfig) -> dict[str, Any]:
-    """PPO/GRPO clip bounds (DAPO clip-higher) and dual clip, as the kernels name them."""
-    lc = config.loss
-    return {"clip_eps": lc.clip_eps, "clip_eps_low": lc.clip_eps_low,
-            "clip_eps_high": lc.clip_eps_high, "dual_clip_c": lc.dual_clip_c}
-
-
-def _ppo(spec: LossSpec, x: _Inputs) -> LossOutput:
-    lc, b = x.config.loss, x.batch
-    return spec.kernel(
-        x.logp, x.logmu, x.mask, b.rewards, **_clip_options(x.config), baseline=lc.baseline,
-        ratio_level=lc.ratio_level, aggregation=lc.aggregation or "token-mean",
-        max_len=b.seq_len, record_mask=b.record_mask,
-    )
+    b = x.batch
+    return spec.kernel(x.logp, x.logmu, x.mask, b.rewards, baseline=x.config.loss.baseline,
+                       max_len=b.seq_len, record_mask=b.record_mask, **x.options)
 
 
 def _group(spec: LossSpec, x: _Inputs) -> LossOutput:
-    lc, b = x.config.loss, x.batch
+    """GRPO family and the stale-sample losses: the step passes the group advantages computed
+    on the full batch before its micro-batch split; a direct call computes them here."""
+    b = x.batch
     advantages = x.advantages
     if advantages is None:
         advantages = batch_advantages(x.config, b)
-    options: dict[str, Any] = {"max_len": b.seq_len, "advantages": advantages,
-                               "record_mask": b.record_mask, **_clip_options(x.config)}
-    if spec.name == "grpo":
-        options["aggregation"] = lc.aggregation or "token-mean"
-        options["std_ddof"] = lc.std_ddof
-    return spec.kernel(x.logp, x.logmu, x.mask, b.rewards, b.group_ids, **options)
-
-
-def _stale_is(spec: LossSpec, x: _Inputs) -> LossOutput:
-    lc, b = x.config.loss, x.batch
-    advantages = x.advantages
-    if advantages is None:
-        advantages = batch_advantages(x.config, b)
-    options: dict[str, Any] = {
-        "cispo": {"eps_low": lc.cispo_eps_low, "eps_high": lc.cispo_eps_high},
-        "gspo": {"eps_low": lc.gspo_eps_low, "eps_high": lc.gspo_eps_high},
-        "icepop": {"alpha": lc.icepop_alpha, "beta": lc.icepop_beta, "level": lc.icepop_level,
-                   "aggregation": lc.icepop_aggregation},
-        "m2po": {"tau": lc.m2po_tau, "mask_tokens": lc.m2po_mask},
-        "vespo": {"k_pos": lc.vespo_k_pos, "lambda_pos": lc.vespo_lambda_pos,
-                  "k_neg": lc.vespo_k_neg, "lambda_neg": lc.vespo_lambda_neg},
-    }[spec.name]
+    extra = {"max_len": b.seq_len} if spec.family == "group" else {}
     return spec.kernel(x.logp, x.logmu, x.mask, b.rewards, b.group_ids, advantages=advantages,
-                       record_mask=b.record_mask, std_ddof=lc.std_ddof, **options)
+                       record_mask=b.record_mask, **extra, **x.options)
 
 
 def _off_rl(spec: LossSpec, x: _Inputs) -> LossOutput:
@@ -236,8 +189,8 @@ def _off_rl(spec: LossSpec, x: _Inputs) -> LossOutput:
             temperature=temperature(x.config), softcap=x.softcap, row_sharding=x.row_sharding,
         ))
     return spec.kernel(
-        x.logp, x.ref_logp(), x.mask, b.rewards, tau=lc.kl_tau, token_kl=token_kl,
-        correct=b.correct, record_mask=b.record_mask,
+        x.logp, x.ref_logp(), x.mask, b.rewards, token_kl=token_kl, correct=b.correct,
+        record_mask=b.record_mask, **x.options,
     )
 
 
@@ -254,28 +207,22 @@ def _fpa(spec: LossSpec, x: _Inputs) -> LossOutput:
     )
     return spec.kernel(
         x.logp, x.per_record(jax.lax.stop_gradient(logp_hat)), x.mask, b.rewards,
-        fpa_on=lc.fpa_on, correct=b.correct, record_mask=b.record_mask,
+        correct=b.correct, record_mask=b.record_mask, **x.options,
     )
 
 
 def _preference(spec: LossSpec, x: _Inputs) -> LossOutput:
-    lc, b = x.config.loss, x.batch
-    options: dict[str, Any] = {
-        "dpo": {"beta": lc.beta},
-        "rpo": {"beta": lc.beta, "alpha": lc.rpo_alpha},
-        "kto": {"beta": lc.beta},
-        "apo": {"beta1": lc.apo_beta1, "beta2": lc.apo_beta2},
-    }[spec.name]
+    b = x.batch
     return spec.kernel(
         logp=x.logp, ref_logp=x.ref_logp(), mask=x.mask, rewards=b.rewards,
         correct=b.correct, group_ids=b.group_ids, pair_index=b.pair_index,
-        record_mask=b.record_mask, **options,
+        record_mask=b.record_mask, **x.options,
     )
 
 
 # `LossSpec.family` → how the batch's fields are bound to the family's kernel.
 _BINDINGS: dict[str, Callable[[LossSpec, _Inputs], LossOutput]] = {
-    "topr": _topr_family, "ppo": _ppo, "group": _group, "stale_is": _stale_is, "off_rl": _off_rl,
-    "fpa": _fpa,
-    "preference": _preference,
+    # ppo binds the TOPR family's arrays and baseline; its options are its entry's
+    "topr": _topr_family, "ppo": _topr_family, "group": _group, "stale_is": _group,
+    "off_rl": _off_rl, "fpa": _fpa, "preference": _preference,
 }

@@ -23,7 +23,6 @@ from etils import epath
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import MANIFEST_NAME, Manifest, read_manifest
-from jaxrl_llm.losses.registry import loss_spec
 from jaxrl_llm.train.score import REF_TEMPERATURE
 
 
@@ -33,7 +32,7 @@ def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> 
     the records' manifest when the loss reads μ and the config leaves it unset."""
     manifest = read_manifest(directory)
     where = str(epath.Path(directory) / MANIFEST_NAME)
-    spec = loss_spec(config.loss.name)
+    spec = config.loss.spec
     if spec.needs_ref and config.train.ref_logprobs == "batch":
         check_ref_logprobs(config.loss.name, manifest, str(directory), where)
     if not spec.needs_mu:

@@ -30,7 +30,6 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
-from jaxrl_llm.losses.registry import loss_spec
 from jaxrl_llm.parallel.rules import optimizer_shardings, state_shardings
 from jaxrl_llm.train.optim import make_optimizer
 
@@ -87,7 +86,7 @@ def with_adapters(config: ExperimentConfig, model: nnx.Module) -> nnx.Module:
 def needs_reference_model(config: ExperimentConfig) -> bool:
     """FPA needs the reference hidden states; other losses need π_ref only when the config
     asks the step to compute reference log-probs."""
-    spec = loss_spec(config.loss.name)
+    spec = config.loss.spec
     return spec.needs_ref_model or (spec.needs_ref and config.train.ref_logprobs == "model")
 
 

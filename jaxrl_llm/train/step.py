@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch, token_record_mask
-from jaxrl_llm.losses.registry import LOSS_SPECS, loss_spec
+from jaxrl_llm.losses.registry import LOSS_SPECS
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.models.attention import attention_mesh
@@ -182,7 +182,7 @@ def positive_records(config: ExperimentConfig, batch: Batch, adv: jax.Array | No
     TOPR family and PPO use the kernel's own rule `A = R − baseline ≥ 0` (TOPR eq. 7); the
     GRPO family the full-batch group advantage `Â ≥ 0`; Off-RL/FPA, which have no baseline,
     the verifier's `correct` flag (FPA's correct/incorrect split)."""
-    rule = loss_spec(config.loss.name).positive
+    rule = config.loss.spec.positive
     if rule == "group":
         return adv >= 0
     if rule == "baseline":

@@ -87,7 +87,6 @@ class Trainer:
 
         from jaxrl_llm.data.loader import loader_from_config
         from jaxrl_llm.data.stages import check_mu, stage_input
-        from jaxrl_llm.losses.registry import loss_spec
         from jaxrl_llm.parallel.mesh import make_mesh
         from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
         from jaxrl_llm.train.preflight import (
@@ -134,7 +133,7 @@ class Trainer:
         self.init_from = init_from
         self._stop = StopSync()
 
-        self.uses_mu = loss_spec(config.loss.name).needs_mu
+        self.uses_mu = config.loss.spec.needs_mu
         # The one loader constructor: pairs, whole groups and μ as the loss's LossSpec needs.
         self.loader = loader_from_config(config, self.records)
         self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
