@@ -23,9 +23,9 @@ from pydantic import (
 
 from jaxrl_llm.config.io import dump_config, parse_override, read_tree, validate_tree  # noqa: F401 (re-exported)
 from jaxrl_llm.core.errors import ConfigError  # noqa: F401 re-exported: defined apart so leaves need no schema
+from jaxrl_llm.core.paths import RunPath  # run/output paths: absolute (or gs://) once validated
 from jaxrl_llm.losses.options import Option
 from jaxrl_llm.losses.registry import OPTIONS, LossSpec, loss_spec, option_problem, owners
-from jaxrl_llm.core.paths import RunPath  # run/output paths: absolute (or gs://) once validated
 
 
 class Section(BaseModel):

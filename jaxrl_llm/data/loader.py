@@ -347,8 +347,8 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
     """
     import jax
 
-    from jaxrl_llm.data.stages import stage_input
     from jaxrl_llm.core.errors import ConfigError
+    from jaxrl_llm.data.stages import stage_input
 
     d, t = config.data, config.train
     spec = config.loss.spec
