@@ -254,7 +254,7 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
     from jaxrl_llm.generate.loading import task_from_config
     from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
     from jaxrl_llm.progress import progress_bar
-    from jaxrl_llm.signals import StopSignals
+    from jaxrl_llm.signals import stop_point
 
     g, d = config.generate, config.data
     seed = config.seed if seed is None else seed
@@ -299,7 +299,7 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
     if own_engine:
         engine = VllmEngine(settings)
     try:
-        with StopSignals(what="the current chunk of prompts") as stop:
+        with stop_point("the current chunk of prompts") as stop:
             bar = progress_bar(len(problems), desc=f"vllm generate {task.name}", unit="prompt",
                                enabled=progress,
                                initial=len(problems) - sum(len(chunks[c]) for c in todo))

@@ -37,7 +37,7 @@ from etils import epath
 from jaxrl_llm.atomic import atomic_write_text
 from jaxrl_llm.config import ExperimentConfig, dump_config
 from jaxrl_llm.paths import PathLike, as_path
-from jaxrl_llm.train.preemption import EXIT_PREEMPTED, StopSync  # noqa: F401 (EXIT_PREEMPTED re-exported)
+from jaxrl_llm.train.preemption import StopSync
 from jaxrl_llm.train.state_items import STATE_FIELDS, state_items, with_items  # noqa: F401 (re-exported)
 
 # (step, state) -> metrics to log under "eval/" (or None)
@@ -209,7 +209,7 @@ class Trainer:
                                tensorboard=self.tensorboard, enabled=jax.process_index() == 0,
                                wandb=self.config.metrics, run_name=self.config.name,
                                run_config=self._meta(step, state)["config"])
-        _install_sigterm(self._stop)
+        self._stop.install()  # SIGTERM / Ctrl-C stop after a step (train/preemption.py)
         window = MetricWindow()
         from jaxrl_llm.progress import progress_bar
 
@@ -291,7 +291,7 @@ class Trainer:
             self.checkpointer.wait()
         finally:
             # Handlers first: wandb's finish() (in logger.close) loses its last rows under ours.
-            _restore_sigterm(self._stop)
+            self._stop.uninstall()
             bar.close()
             logger.close()
         return TrainResult(
@@ -410,13 +410,3 @@ def _shardings(tree: Any) -> Any:
     import jax
 
     return jax.tree.map(lambda x: x.sharding, tree)
-
-
-def _install_sigterm(stop: StopSync) -> None:
-    """Route SIGTERM to `stop` (one process: a Python handler; several: JAX's preemption
-    sync point, see `train/preemption.py`)."""
-    stop.install()
-
-
-def _restore_sigterm(stop: StopSync) -> None:
-    stop.uninstall()
