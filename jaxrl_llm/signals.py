@@ -16,9 +16,10 @@ One mechanism for every command (`cli.main` runs each one through `supervise`):
   for SIGTERM); re-running the command resumes. The signal stays noted until the command ends,
   so a later stage's first `check` stops it too.
 - Anywhere else (loading, compiling outside a stage, `curate`, `export`, `online`) the first
-  signal exits at once with that code, as does a second Ctrl-C anywhere: every output is
-  written atomically (`jaxrl_llm/atomic.py`) and every command is safe against a kill at any
-  point (RELIABILITY.md), so nothing partial is left. A second SIGTERM is ignored.
+  Ctrl-C exits 130 at once, as does a second Ctrl-C anywhere, and SIGTERM kills the process
+  as it would without a handler (143 is a graceful stop): every output is written atomically
+  (`jaxrl_llm/atomic.py`) and every command is safe against a kill at any point
+  (RELIABILITY.md), so nothing partial is left. A second SIGTERM is ignored.
 
 Several processes (a multi-host job) must stop at the same step: `train/preemption.py` decides
 that (JAX's preemption sync point handles SIGTERM itself there, with its own C++ handler).
@@ -68,12 +69,16 @@ class Interrupted(Exception):
         self.exit_code = exit_code(signum)
 
 
-def _exit_now(code: int, message: str) -> None:
-    """Leave at once (no cleanup runs: it could wait on the worker), after the output so far."""
+def _exit_now(code: int, message: str, *, by_signal: bool = False) -> None:
+    """Leave at once (no cleanup runs: it could wait on the worker), after the output so far;
+    `by_signal`: killed by SIGTERM, as without a handler (a graceful stop is what exits 143)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os.write(2, f"\n{message}\n".encode())
+    if by_signal:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     os._exit(code)
 
 
@@ -90,7 +95,8 @@ def _handle(signum: int, frame: Any) -> None:
     if point is None or signum not in point.signals:
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         _exit_now(exit_code(signum), f"jaxrl-llm: interrupted ({name}); every output written so "
-                  "far is whole, none is partial (outputs are written atomically)")
+                  "far is whole, none is partial (outputs are written atomically)",
+                  by_signal=signum == signal.SIGTERM)
     _noted.append(signum)
     os.write(2, f"\n{signal_name(signum)}: stopping after {point.what} "
                 f"(Ctrl-C again to exit at once)\n".encode())
