@@ -8,13 +8,14 @@ One mechanism for every command (`cli.main` runs each one through `supervise`):
   `KeyboardInterrupt` is ever raised inside the command (one that landed inside an import left
   jaxlib's extension half-built and the process crashed; one a library caught became its own
   error, or was lost).
-- A stage with progress worth keeping declares where it can stop: `with stop_point(what) as
-  stop:` and `stop.check(stage)` at its safe points (`train` after a step, which it
-  checkpoints; `generate` and `evaluate` after a decode segment; `score` after a batch). The
-  first SIGINT/SIGTERM inside one is noted ("stopping after <what>"), and `check` raises
-  `Interrupted`, which `cli.main` turns into exit 128 + the signal number (130 for Ctrl-C, 143
-  for SIGTERM); re-running the command resumes. The signal stays noted until the command ends,
-  so a later stage's first `check` stops it too.
+- A stage that keeps progress, or says what it kept, declares where it can stop: `with
+  stop_point(what) as stop:` and `stop.check(stage)` at its safe points (`train` after a
+  step, which it checkpoints; `generate` and `evaluate` after a decode segment, about 2 s;
+  `score` after a batch; vLLM after a chunk). The first SIGINT/SIGTERM inside one is noted
+  ("stopping after <what>"; during a compile, the check comes once it returns), and `check`
+  raises `Interrupted`, which `cli.main` turns into exit 128 + the signal number (130 for
+  Ctrl-C, 143 for SIGTERM); re-running the command resumes. The signal stays noted until the
+  command ends, so a later stage's first `check` stops it too.
 - Anywhere else (loading, compiling outside a stage, `curate`, `export`, `online`) the first
   Ctrl-C exits 130 at once, as does a second Ctrl-C anywhere, and SIGTERM kills the process
   as it would without a handler (143 is a graceful stop): every output is written atomically

@@ -15,8 +15,9 @@
 - Resume: a `Trainer` whose `run_dir/checkpoints` holds a committed checkpoint continues
   from the latest one.
 - SIGTERM (preemption) or Ctrl-C: the loop finishes the current step, checkpoints, and
-  returns with `stopped=True` (the `train` command then exits with 143, or 130 for Ctrl-C). With several processes the stop
-  step is agreed through a sync point (`train/preemption.py`), so all hosts save together.
+  returns with `stopped=True` (the `train` command then exits with 143, or 130 for Ctrl-C;
+  `jaxrl_llm/signals.py`). With several processes the stop step is agreed through a sync
+  point (`train/preemption.py`), so all hosts save together.
 - Non-finite steps are skipped by the step itself; `train.max_nonfinite_steps` consecutive
   ones stop the run with an error naming the step and the first non-finite quantity (never
   train on NaN); rows carry `train/nonfinite_skips` and `train/consecutive_nonfinite`
