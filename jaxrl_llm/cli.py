@@ -39,24 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxrl_llm.core.signals import EXIT_SIGINT, CtrlCOutsideImports
+    from jaxrl_llm.core.signals import supervise
 
-    # Ctrl-C while jaxlib or array_record initialise crashed the process (SIGSEGV/SIGABRT)
-    # instead of exiting 130: a Ctrl-C that lands inside an import is re-delivered after it.
-    with CtrlCOutsideImports() as ctrl_c:
-        try:
-            code = _main(argv)
-            if code != EXIT_SIGINT:  # (130: the command reported its Ctrl-C itself)
-                ctrl_c.raise_pending()
-            return code
-        # KeyboardInterrupt: Ctrl-C before the command started (nothing written). Another
-        # error after the guard raised one: a library turned that Ctrl-C into its own error
-        # (JAX: a ValueError when it lands in a static argument's __eq__ in a jit cache lookup).
-        except (KeyboardInterrupt, Exception) as err:
-            if not isinstance(err, KeyboardInterrupt) and not ctrl_c.raised:
-                raise
-            print("jaxrl-llm: interrupted (Ctrl-C)", file=sys.stderr)
-            return EXIT_SIGINT
+    # The command runs in a worker thread; this thread takes Ctrl-C and SIGTERM (signals.py).
+    return supervise(lambda: _main(argv))
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -74,9 +60,8 @@ def _main(argv: Sequence[str] | None) -> int:
         args.overrides = [*(args.overrides or []), *extra]
     module = importlib.import_module(args._module)
     from jaxrl_llm.core.errors import ConfigError, ModelFileError
-    from jaxrl_llm.core.signals import EXIT_SIGINT, Interrupted, exit_code, last_signal
+    from jaxrl_llm.core.signals import Interrupted
     from jaxrl_llm.data.records import RecordError
-    from jaxrl_llm.train.preemption import Preempted
 
     try:
         if args.command in DEVICE_COMMANDS:
@@ -88,15 +73,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except (ConfigError, RecordError, ModelFileError, FileNotFoundError) as err:
         print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
         return 2
-    except Preempted as err:  # SIGTERM / Ctrl-C: checkpointed; exits as `train` does
-        print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
-        return exit_code(last_signal())
-    except Interrupted as err:  # generate / score stopped at a batch boundary (signals.py)
+    except Interrupted as err:  # a stage stopped at its safe point on a signal (signals.py)
         print(f"jaxrl-llm {args.command}: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:  # Ctrl-C outside a stage's safe points: nothing half-written
-        print(f"jaxrl-llm {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
-        return EXIT_SIGINT
     return int(code or 0)
 
 

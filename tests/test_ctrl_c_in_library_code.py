@@ -1,4 +1,5 @@
-"""Ctrl-C whose `KeyboardInterrupt` a library turns into its own error (jaxrl_llm/cli.py `main`).
+"""Ctrl-C whose `KeyboardInterrupt` a library would turn into its own error (jaxrl_llm/core/signals.py
+`supervise`: the command runs in a worker thread and no `KeyboardInterrupt` reaches it).
 
 Found by the reliability sweep (`online mid-round`, Ctrl-C after 4.11 s, exit 1): the Ctrl-C
 landed in a static argument's `__eq__` while JAX looked up its jit cache (the sampler's
@@ -18,7 +19,7 @@ from tests.faults.online_stage import ONLINE_YAML
 
 # Sends SIGINT to itself at the first `__eq__` that JAX's jit cache calls from the sampler.
 _AT_STATIC_ARG_EQ = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, threading
     state = {"fired": False}
 
     def profile(frame, event, arg):
@@ -28,12 +29,14 @@ _AT_STATIC_ARG_EQ = textwrap.dedent("""
                 and caller.f_code.co_filename.endswith("sampler.py"):
             state["fired"] = True
             sys.setprofile(None)
+            print("fired", flush=True)
             os.kill(os.getpid(), signal.SIGINT)
 
     sys.setprofile(profile)
+    threading.setprofile(profile)  # the command runs in a worker thread (signals.supervise)
     from jaxrl_llm.cli import main
     code = main(["online", "--config", "online.yaml", "--no-progress"])
-    print("fired" if state["fired"] else "not fired", flush=True)
+    print("finished", "fired" if state["fired"] else "not fired", flush=True)
     sys.exit(code)
 """)
 
@@ -52,7 +55,7 @@ def test_ctrl_c_in_a_jit_cache_lookup_exits_130(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _AT_STATIC_ARG_EQ], cwd=tmp_path,
                           env=_single_host_env(), capture_output=True, text=True, timeout=300)
     assert proc.stdout.splitlines()[-1:] == ["fired"], (proc.returncode, proc.stdout[-2000:],
-                                                       proc.stderr[-3000:])
+                                                       proc.stderr[-3000:])  # and no further
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
     assert "interrupted (Ctrl-C)" in proc.stderr
     assert "Traceback" not in proc.stderr and "ValueError" not in proc.stderr, proc.stderr[-3000:]

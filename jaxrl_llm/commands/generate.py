@@ -2,7 +2,7 @@
 
 `generate.backend: jax` runs the project's KV-cache sampler here; `vllm` runs vLLM's
 offline engine (`jaxrl-llm vllm install --device gpu|cpu`; README § vLLM), resumable chunk by
-chunk. Ctrl-C stops either after the current batch or chunk (exit 130).
+chunk. Ctrl-C stops after the current decode segment (jax) or chunk (vllm), exit 130.
 `--gold` writes the task's gold solutions as SFT records instead (warm start as in FPA arXiv:2509.19893).
 """
 

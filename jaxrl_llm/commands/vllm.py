@@ -94,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
         return check()
     if args.vllm_command == "generate":
         return vllm_generate.run(args)
-    import signal
 
     from jaxrl_llm.commands.config import pick_schema, schema_class, top_level_keys
     from jaxrl_llm.config import load_config
@@ -104,9 +103,7 @@ def run(args: argparse.Namespace) -> int:
     name = pick_schema(top_level_keys(args.config, args.overrides))
     config = load_config(args.config, args.overrides,
                          schema=schema_class("iterate" if name == "experiment" else name))
-    # SIGTERM (iterate stopping its local host) unwinds, so the engine's processes stop too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    die_with_parent()
+    die_with_parent()  # (SIGTERM then stops it as Ctrl-C does: `serve_iterations`)
     serve_iterations(config, poll_seconds=args.poll_seconds, timeout=args.timeout,
                      progress=not args.no_progress)
     return 0

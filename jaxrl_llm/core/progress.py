@@ -4,7 +4,8 @@ tqdm redraws one line with carriage returns, which a log file or a CI console sh
 ever-growing line (or nothing until the end). When stderr is not a terminal, `progress_bar`
 returns a tqdm whose every refresh is a whole line ("generate: 16/64 prompts (25%) 0:41
 elapsed, 2:03 left"), at most every `LINE_INTERVAL_S` seconds (`JAXRL_PROGRESS_INTERVAL_S`),
-plus the last one.
+plus the last one. `set_status` shows where a long step is (a batch's decode step) between
+counts, at the same rate.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ class LineProgress(tqdm):  # type: ignore[misc]
             self.last_print_n = self.n
         self.disable = True
         super().close()
+
+
+def set_status(bar: Any, text: str, *, now: bool = False) -> None:
+    """Show `text` after the count, redrawn at the bar's own rate (or `now`): the elapsed time
+    and the status move while the count waits for a long step."""
+    bar.set_postfix_str(text, refresh=False)
+    if not bar.disable and (now or bar._time() - bar.last_print_t >= bar.mininterval):
+        bar.refresh()
+        bar.last_print_t = bar._time()
 
 
 def is_terminal(stream: Any = None) -> bool:

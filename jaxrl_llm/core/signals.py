@@ -1,42 +1,58 @@
-"""Ctrl-C (SIGINT) and SIGTERM stop a long stage at its next safe point, never mid-write.
+"""Ctrl-C (SIGINT) and SIGTERM: every command stops within moments, never mid-write.
 
-Python turns SIGINT into a `KeyboardInterrupt` raised wherever the interpreter happens to be;
-inside a callback (JAX's garbage-collection hook, a thread) it is printed as "Exception
-ignored" and lost, and the run goes on. So the stages with a safe point — `train` after a
-step (it checkpoints), `generate` and `score` after a batch of prompts or records — handle the
-signals themselves while they run (`StopSignals`): the first SIGINT or SIGTERM sets a flag the
-loop reads, the loop saves and the command exits 128 + the signal number (130 for Ctrl-C, 143
-for SIGTERM); re-running the same command resumes. A second Ctrl-C exits at once (130): every
-stage is also safe against a kill (RELIABILITY.md: SIGKILL at any point, then resumed).
+One mechanism for every command (`cli.main` runs each one through `supervise`):
 
-Outside those stages Ctrl-C is Python's `KeyboardInterrupt`, with one exception
-(`CtrlCOutsideImports`): a `KeyboardInterrupt` raised while a compiled extension initialises
-(jaxlib's MLIR bindings, array_record) leaves it half-built and the process segfaults or aborts
-instead of exiting 130, so a Ctrl-C that lands inside an import is re-delivered once it is over;
-and one whose `KeyboardInterrupt` something on the way swallowed is raised again at the end.
+- The command runs in a worker thread; the main thread only waits for it and takes the
+  signals. Python runs a signal handler on the main thread between bytecodes, so a handler
+  never waits for an XLA compile or a long device program to return, and no
+  `KeyboardInterrupt` is ever raised inside the command (one that landed inside an import left
+  jaxlib's extension half-built and the process crashed; one a library caught became its own
+  error, or was lost).
+- A stage that keeps progress, or says what it kept, declares where it can stop: `with
+  stop_point(what) as stop:` and `stop.check(stage)` at its safe points (`train` after a
+  step, which it checkpoints; `generate` and `evaluate` after a decode segment, about 2 s;
+  `score` after a batch; vLLM after a chunk). The first SIGINT/SIGTERM inside one is noted
+  ("stopping after <what>"; during a compile, the check comes once it returns), and `check`
+  raises `Interrupted`, which `cli.main` turns into exit 128 + the signal number (130 for
+  Ctrl-C, 143 for SIGTERM); re-running the command resumes. The signal stays noted until the
+  command ends, so a later stage's first `check` stops it too.
+- Anywhere else (loading, compiling outside a stage, `curate`, `export`, `online`) the first
+  Ctrl-C exits 130 at once, as does a second Ctrl-C anywhere, and SIGTERM kills the process
+  as it would without a handler (143 is a graceful stop): every output is written atomically
+  (`jaxrl_llm/core/atomic.py`) and every command is safe against a kill at any point
+  (RELIABILITY.md), so nothing partial is left. A second SIGTERM is ignored.
+
+Several processes (a multi-host job) must stop at the same step: `train/preemption.py` decides
+that (JAX's preemption sync point handles SIGTERM itself there, with its own C++ handler).
+Without `supervise` (a library call on the main thread, tests) a `stop_point` installs the
+handlers itself while it is active.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 EXIT_SIGINT = 128 + signal.SIGINT  # 130: what shells report for a job stopped by Ctrl-C
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143: what schedulers expect after a preemption
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_last: list[int] = []  # the most recent stop signal this process got (exit codes)
+POLL_S = 0.1  # how long the main thread waits between looks (a signal delivered to another
+# thread only wakes the main thread at its next look)
+
+_points: list[StopPoint] = []  # active stop points, innermost last
+_noted: list[int] = []  # the signal a stop point took (at most one until the command ends)
+_supervised = threading.Event()  # `supervise` runs a command now (its handlers are installed)
 
 
 def exit_code(signum: int | None) -> int:
     """The exit code of a command a signal stopped (SIGTERM when not known)."""
     return 128 + (signum if signum is not None else signal.SIGTERM)
-
-
-def last_signal() -> int | None:
-    """The last stop signal a `StopSignals` block received in this process, if any."""
-    return _last[-1] if _last else None
 
 
 def signal_name(signum: int | None) -> str:
@@ -54,116 +70,117 @@ class Interrupted(Exception):
         self.exit_code = exit_code(signum)
 
 
-def _inside_import(frame: Any) -> bool:
-    """Whether the interpreter is executing an `import` (any frame of importlib's bootstrap)."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
-            return True
-        frame = frame.f_back
-    return False
+def _exit_now(code: int, message: str, *, by_signal: bool = False) -> None:
+    """Leave at once (no cleanup runs: it could wait on the worker), after the output so far;
+    `by_signal`: killed by SIGTERM, as without a handler (a graceful stop is what exits 143)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.write(2, f"\n{message}\n".encode())
+    if by_signal:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(code)
 
 
-class CtrlCOutsideImports:
-    """While active (`with CtrlCOutsideImports():`, main thread only), Ctrl-C raises
-    `KeyboardInterrupt` as Python's default handler does, except inside an import: there it is
-    sent again every `retry_s` seconds until it lands outside one, or `raise_pending` raises it.
-    A stage's own handler (`StopSignals`) takes over while that stage runs, then hands back."""
-
-    def __init__(self, retry_s: float = 0.05) -> None:
-        self.retry_s = retry_s
-        self._timer: threading.Timer | None = None  # one re-delivery at a time
-        self._previous: Any = None
-        self._installed = False
-        self.raised = False  # a KeyboardInterrupt left this handler (it may have been swallowed)
-
-    def _resend(self) -> None:
-        self._timer = None
-        os.kill(os.getpid(), signal.SIGINT)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if not _inside_import(frame):
-            self.raised = True
-            raise KeyboardInterrupt
-        if self._timer is None:
-            self._timer = threading.Timer(self.retry_s, self._resend)
-            self._timer.daemon = True  # never keeps a finished process alive
-            self._timer.start()
-
-    def _cancel(self) -> bool:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-        return timer is not None
-
-    def raise_pending(self) -> None:
-        """Raise the `KeyboardInterrupt` of a Ctrl-C the command did not end on: one still
-        waiting for its import to end (the command finished first), or one raised that code on
-        the way swallowed (a broad `except`, a callback whose errors are dropped — seen once
-        during `import jax` under load: exit 0, no output). A Ctrl-C is never lost."""
-        waiting, swallowed = self._cancel(), self.raised
-        self.raised = False
-        if waiting or swallowed:
-            raise KeyboardInterrupt
-
-    def __enter__(self) -> CtrlCOutsideImports:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._cancel()
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
+def _handle(signum: int, frame: Any) -> None:
+    if _noted:  # a second signal
+        if signum == signal.SIGINT:
+            _exit_now(EXIT_SIGINT, "jaxrl-llm: second Ctrl-C: exiting now "
+                      "(re-run the command to resume)")
+        return
+    try:
+        point = _points[-1]
+    except IndexError:
+        point = None
+    if point is None or signum not in point.signals:
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        _exit_now(exit_code(signum), f"jaxrl-llm: interrupted ({name}); every output written so "
+                  "far is whole, none is partial (outputs are written atomically)",
+                  by_signal=signum == signal.SIGTERM)
+    _noted.append(signum)
+    os.write(2, f"\n{signal_name(signum)}: stopping after {point.what} "
+                f"(Ctrl-C again to exit at once)\n".encode())
 
 
-class StopSignals:
-    """While active (`with StopSignals(...)`, main thread only), the first of `signals` sets
-    `signum`; the loop calls `check(what)` at its safe points. A second SIGINT exits at once."""
+@contextlib.contextmanager
+def _handlers(signals: tuple[int, ...]) -> Iterator[None]:
+    """`_handle` takes `signals` while active (main thread only), then the previous ones."""
+    previous = {s: signal.signal(s, _handle) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, *, what: str = "the batch") -> None:
-        self.signals = signals
+
+def supervise(command: Callable[[], int]) -> int:
+    """Run `command()` in a worker thread while the main thread takes SIGINT and SIGTERM;
+    its return value, or its exception raised again here. Off the main thread: just call it."""
+    if threading.current_thread() is not threading.main_thread() or _supervised.is_set():
+        return command()
+    outcome: dict[str, Any] = {}
+    context = contextvars.copy_context()  # the worker sees the caller's context variables
+
+    def work() -> None:
+        try:
+            outcome["code"] = context.run(command)
+        except BaseException as err:  # raised again on the main thread
+            outcome["error"] = err
+
+    worker = threading.Thread(target=work, name="jaxrl-llm command", daemon=True)
+    with _handlers(STOP_SIGNALS):
+        _supervised.set()
+        try:
+            worker.start()
+            while worker.is_alive():
+                worker.join(POLL_S)  # returns to the interpreter, which runs a pending handler
+        finally:
+            _supervised.clear()
+            _noted.clear()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["code"]
+
+
+class StopPoint:
+    """An active stop point (`stop_point`): `check(stage)` raises `Interrupted` once a signal
+    it takes came."""
+
+    def __init__(self, what: str, signals: tuple[int, ...]) -> None:
         self.what = what
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
+        self.signals = signals
+        self._after: list[int] | None = None  # what `signum` says once the point has ended
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    @property
+    def signum(self) -> int | None:
+        """The signal to stop on; None when none came."""
+        noted = _noted if self._after is None else self._after
+        return noted[-1] if noted else None
+
+    def stopping(self) -> bool:
+        return self.signum is not None
+
+    def check(self, stage: str, then: str = "re-run the same command to resume") -> None:
+        """Raise `Interrupted` if a signal came; the message says `stage` stopped, and `then`."""
         if self.signum is not None:
-            if signum == signal.SIGINT:
-                os.write(2, b"\nsecond Ctrl-C: exiting now (re-run the command to resume)\n")
-                os._exit(EXIT_SIGINT)
-            return
-        self.signum = signum
-        _last.append(signum)
-        os.write(2, f"\n{signal_name(signum)}: stopping after {self.what} "
-                    f"(Ctrl-C again to exit at once)\n".encode())
+            raise Interrupted(f"{stage} stopped by {signal_name(self.signum)}; {then}",
+                              self.signum)
 
-    def request(self, signum: int = signal.SIGTERM) -> None:
-        """Stop as a signal would (tests, hooks)."""
-        if self.signum is None:
-            self.signum = signum
 
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # only the main thread may handle signals
-        for s in self.signals:
-            self._previous[s] = signal.signal(s, self._handle)
-
-    def uninstall(self) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-        self._previous.clear()
-
-    def __enter__(self) -> StopSignals:
-        self.install()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.uninstall()
-
-    def check(self, stage: str) -> None:
-        """Raise `Interrupted` if a signal came; `stage` says what stopped, for the message."""
-        if self.signum is not None:
-            raise Interrupted(f"{stage} stopped by {signal_name(self.signum)}; re-run the same "
-                              "command to resume", self.signum)
+@contextlib.contextmanager
+def stop_point(what: str, signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[StopPoint]:
+    """While active, the first of `signals` is noted and the stage stops at its next `check`
+    ("stopping after `what`"); other signals, and a second Ctrl-C, still exit at once."""
+    point = StopPoint(what, signals)
+    own = (not _supervised.is_set() and not _points and signals
+           and threading.current_thread() is threading.main_thread())
+    with _handlers(signals) if own else contextlib.nullcontext():
+        _points.append(point)
+        try:
+            yield point
+        finally:
+            _points.remove(point)
+            point._after = list(_noted)
+            if own:
+                _noted.clear()  # a library call's signal ends with it

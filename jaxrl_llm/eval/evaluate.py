@@ -44,14 +44,15 @@ def sample_and_grade(
     chat_template: bool | None = False, progress: bool = True,
 ) -> Graded:
     """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
-    counts the questions (`jaxrl_llm/core/progress.py`); Ctrl-C stops after a prompt batch."""
+    counts the questions and shows the decode step within a batch (`jaxrl_llm/core/progress.py`);
+    Ctrl-C or SIGTERM stops after the current decode segment, before anything is written."""
     import jax
 
     from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.core.signals import StopSignals
+    from jaxrl_llm.core.signals import stop_point
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
     from jaxrl_llm.generate.fit import fit_sampler_batch
-    from jaxrl_llm.generate.jax_backend import sample_completions
+    from jaxrl_llm.generate.jax_backend import SEGMENT_S, SamplingProgress, sample_completions
     from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
 
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -63,18 +64,17 @@ def sample_and_grade(
     batch_size = fit_sampler_batch(model, batch_size=batch_size, n=n, max_new_tokens=max_new_tokens,
                                    prompt_len=default_bucket(max(map(len, prompt_ids), default=1)),
                                    key="eval.batch_size")
-    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
+    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size,
+                      segment_s=SEGMENT_S if jax.process_count() == 1 else None)
     bar = progress_bar(len(problems), desc=f"evaluate {getattr(task, 'name', '')}".strip(),
                        unit="question", enabled=progress and jax.process_index() == 0)
-    with StopSignals(what="the current batch of questions") as stop:
-
-        def done(count: int) -> None:
-            bar.update(count)
-            stop.check("evaluate")
-
+    with stop_point("the current decode segment") as stop:
+        status = SamplingProgress(bar, stop, "evaluate", f"no {EVAL_FILE} was written",
+                                  batches=-(-len(problems) // batch_size),
+                                  max_new_tokens=max_new_tokens)
         try:
             completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed),
-                                             on_batch=done)
+                                             status)
         finally:
             bar.close()
     texts = [tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)

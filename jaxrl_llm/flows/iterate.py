@@ -286,10 +286,11 @@ def run_iteration(
         finally:
             trainer.close()
         if result.stopped:
-            from jaxrl_llm.train.preemption import Preempted
+            from jaxrl_llm.core.signals import Interrupted, signal_name
 
-            raise Preempted(f"iteration {index}: training stopped by SIGTERM or Ctrl-C at step "
-                            f"{result.step}; re-run to resume")
+            raise Interrupted(f"iteration {index}: training stopped by "
+                              f"{signal_name(result.stop_signal)} at step {result.step}; "
+                              "re-run to resume", result.stop_signal)
         new_model = result.state.model()
         log.mark("train", {"steps": result.step, "checkpoints": str(result.checkpoint_dir),
                            "metrics": str(result.metrics_path), "last": result.last_row,

@@ -181,11 +181,10 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     finally:
         trainer.close()
     if result.stopped and not reached:  # SIGTERM / Ctrl-C: never mark a partial SFT stage done
-        from jaxrl_llm.core.signals import signal_name
-        from jaxrl_llm.train.preemption import Preempted
+        from jaxrl_llm.core.signals import Interrupted, signal_name
 
-        raise Preempted(f"SFT stopped by {signal_name(result.stop_signal)} at step "
-                        f"{result.step}; re-run to resume")
+        raise Interrupted(f"SFT stopped by {signal_name(result.stop_signal)} at step "
+                          f"{result.step}; re-run to resume", result.stop_signal)
     info = {"steps": result.step, "last": result.last_row, "seconds": time.perf_counter() - t0,
             "checkpoints": str(result.checkpoint_dir)}
     log.mark("train", info)

@@ -2,10 +2,10 @@
 
 Prompts are processed in chunks of `chunk_prompts`; each chunk is sampled (n per prompt),
 scored by the task and appended to the record shards. The progress bar counts prompts and
-moves after every prompt batch (`jaxrl_llm/core/progress.py`). Before sampling, the prompt batch
-is fitted to the memory left (`generate/fit.py`). Ctrl-C or SIGTERM stops after the current
-prompt batch (`jaxrl_llm/core/signals.py`): the directory stays without a manifest, so readers
-refuse it and re-running the command writes it again.
+moves after every prompt batch, its status after every decode segment (`jaxrl_llm/core/progress.py`).
+Before sampling, the prompt batch is fitted to the memory left (`generate/fit.py`). Ctrl-C or
+SIGTERM stops after the current decode segment (`jaxrl_llm/core/signals.py`): the directory stays
+without a manifest, so readers refuse it and re-running the command writes it again.
 """
 
 from __future__ import annotations
@@ -26,12 +26,44 @@ from jaxrl_llm.generate.completions import (
 )
 from jaxrl_llm.tasks.base import Problem, Task
 
+SEGMENT_S = 2.0  # decode segments of about this long: a Ctrl-C or a progress line waits no longer
+
+
+class SamplingProgress:
+    """`on_batch` and `on_segment` for `Sampler.generate`: `bar` counts prompts after each
+    prompt batch and shows the batch's decode step in between (`progress.set_status`); both
+    first `stop.check(stage, then)`, so a signal stops the stage at the next decode segment
+    and the batch it interrupted is never counted."""
+
+    def __init__(self, bar: Any, stop: Any, stage: str, then: str, *, batches: int,
+                 max_new_tokens: int) -> None:
+        self.bar, self.stop, self.stage, self.then = bar, stop, stage, then
+        self.batches, self.max_new_tokens = batches, max_new_tokens
+        self.batch = 0  # the prompt batch being sampled (1-based, across calls)
+
+    def on_batch(self, count: int) -> None:
+        self.stop.check(self.stage, self.then)
+        self.bar.update(count)
+
+    def on_segment(self, _batch_in_call: int, step: int) -> None:
+        from jaxrl_llm.core.progress import set_status
+
+        self.stop.check(self.stage, self.then)
+        self.batch += step == 0
+        where = f"batch {self.batch}/{self.batches}"
+        if step == 0:
+            first = " (compiling the sampler)" if self.batch == 1 else ""
+            set_status(self.bar, f"{where}: prefill{first}", now=self.batch == 1)
+        else:
+            set_status(self.bar, f"{where}: token {step}/{self.max_new_tokens}")
+
 
 def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params: Any,
-                       key: jax.Array, on_batch: Any = None) -> list[Completion]:
-    """Run the sampler; one `Completion` per (prompt, sample). `on_batch(prompts)` runs after
-    each prompt batch (`Sampler.generate`)."""
-    out = sampler.generate(prompt_ids, params, key, on_batch=on_batch)
+                       key: jax.Array, progress: SamplingProgress | None = None) -> list[Completion]:
+    """Run the sampler; one `Completion` per (prompt, sample), with `progress`'s callbacks."""
+    out = sampler.generate(prompt_ids, params, key,
+                           on_batch=progress and progress.on_batch,
+                           on_segment=progress and progress.on_segment)
     completions = []
     for row in range(out.tokens.shape[0]):
         n = int(out.lengths[row])
@@ -69,7 +101,7 @@ def generate_records(
 ) -> Manifest:
     """Sample `n` completions per problem and write scored records to `out_dir`."""
     from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.core.signals import StopSignals
+    from jaxrl_llm.core.signals import stop_point
     from jaxrl_llm.generate.fit import fit_sampler_batch
     from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
 
@@ -82,7 +114,8 @@ def generate_records(
     batch_size = fit_sampler_batch(model, batch_size=batch_size, n=n, max_new_tokens=max_new_tokens,
                                    prompt_len=default_bucket(max(map(len, prompt_ids), default=1)),
                                    key="generate.batch_size")
-    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
+    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size,
+                      segment_s=SEGMENT_S if jax.process_count() == 1 else None)
     chunk = chunk_prompts or batch_size * 4
     key = jax.random.key(seed)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -93,19 +126,19 @@ def generate_records(
         sampling=SamplingInfo(backend="jax", temperature=temperature, top_p=top_p, top_k=top_k,
                               max_new_tokens=max_new_tokens, n=n, seed=seed),
         extra=sampler_logprob_info(backend="jax", temperature=temperature, top_k=top_k, top_p=top_p),
-    ) as writer, StopSignals(what="the current prompt batch") as stop:
+    ) as writer, stop_point("the current decode segment") as stop:
         bar = progress_bar(len(problems), desc=f"generate {task.name}", unit="prompt",
                            enabled=progress)
-
-        def done(count: int) -> None:
-            bar.update(count)
-            stop.check("generate")  # before the rest of the chunk; the writer stays unfinished
-
+        starts = range(0, len(problems), chunk)
+        # A stop leaves the writer unfinished: no manifest, so nothing reads a partial output.
+        status = SamplingProgress(
+            bar, stop, "generate", "re-run the same command to resume", max_new_tokens=max_new_tokens,
+            batches=sum(-(-min(chunk, len(problems) - s) // batch_size) for s in starts))
         try:
-            for c, start in enumerate(range(0, len(problems), chunk)):
+            for c, start in enumerate(starts):
                 sub = slice(start, start + chunk)
                 completions = sample_completions(sampler, prompt_ids[sub], params,
-                                                 jax.random.fold_in(key, c), on_batch=done)
+                                                 jax.random.fold_in(key, c), status)
                 writer.write_all(build_records(task, problems[sub], prompt_ids[sub], completions,
                                                tokenizer, group_offset=start, prompts=prompts[sub]))
         finally:

@@ -244,7 +244,7 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
     from transformers import AutoTokenizer
 
     from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.core.signals import StopSignals
+    from jaxrl_llm.core.signals import stop_point
     from jaxrl_llm.data.chunked import ChunkedRecordWriter
     from jaxrl_llm.data.shards import SamplingInfo
     from jaxrl_llm.generate.completions import (
@@ -299,7 +299,7 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
     if own_engine:
         engine = VllmEngine(settings)
     try:
-        with StopSignals(what="the current chunk of prompts") as stop:
+        with stop_point("the current chunk of prompts") as stop:
             bar = progress_bar(len(problems), desc=f"vllm generate {task.name}", unit="prompt",
                                enabled=progress,
                                initial=len(problems) - sum(len(chunks[c]) for c in todo))

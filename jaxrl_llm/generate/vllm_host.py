@@ -92,6 +92,7 @@ def serve_iterations(config: Any, *, poll_seconds: float = 2.0, timeout: float |
     docstring). Returns when the last iteration's records are complete."""
     from transformers import AutoTokenizer
 
+    from jaxrl_llm.core.signals import stop_point
     from jaxrl_llm.data.chunked import complete
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
     from jaxrl_llm.generate.vllm import (
@@ -109,7 +110,9 @@ def serve_iterations(config: Any, *, poll_seconds: float = 2.0, timeout: float |
     total = prompt_offset(config, iterations) + d.num_prompts
     problems = task.load(split=g.split, num=total, seed=config.seed)
     engine: VllmEngine | None = None
-    with host_lock(config.run_dir):
+    # SIGTERM (iterate stopping its local host, or dying) or Ctrl-C stops between chunks and
+    # polls, and the engine is closed, so its processes stop too.
+    with host_lock(config.run_dir), stop_point("the current chunk, closing the engine") as stop:
         try:
             for index in range(1, iterations + 1):
                 records = iteration_dir(config, index) / "records"
@@ -117,7 +120,8 @@ def serve_iterations(config: Any, *, poll_seconds: float = 2.0, timeout: float |
                     continue
                 wait_for(lambda i=index: policy_ready(config, i - 1), f"π_{index - 1} "
                          f"({policy_dir(config, index - 1)})", poll_seconds=poll_seconds,
-                         timeout=timeout, progress=progress)
+                         timeout=timeout, progress=progress,
+                         alive=lambda: stop.check("vllm host", "iterate starts it again"))
                 model = policy_dir(config, index - 1)
                 t0 = time.perf_counter()
                 if engine is None:

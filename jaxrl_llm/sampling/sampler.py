@@ -31,7 +31,9 @@ prompt batch uses `fold_in(key, batch_index)`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -173,11 +175,16 @@ class Sampler:
         rows stop costing compute (`sampling.decode_program`: the samples do not change).
     cache_windows: decode runs in up to this many windows of steps, the KV cache growing
         between them (`window_ends`); 1 allocates prompt + max_new_tokens slots at the prefill.
+    segment_s: if set, segments are also cut to about this many seconds (the steps per second
+        of the last segment; 8 steps first), so `on_segment` (a stop check, a progress line)
+        runs that often however slow a step is. One process only: hosts must run the same
+        segments. The samples do not change.
     """
 
     def __init__(self, model: Any, *, pad_token_id: int = 0, batch_size: int = 8,
                  prompt_buckets: Sequence[int] | None = None, cache_dtype: Any = None,
-                 segment_steps: int | None = None, min_rows: int = 4, cache_windows: int = 4):
+                 segment_steps: int | None = None, min_rows: int = 4, cache_windows: int = 4,
+                 segment_s: float | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if segment_steps is not None and segment_steps < 1:
@@ -188,6 +195,8 @@ class Sampler:
             raise ValueError(f"cache_windows={cache_windows} must be >= 1")
         self.cache_windows = int(cache_windows)
         self.segment_steps = segment_steps
+        self.segment_s = segment_s
+        self._timed_steps = 8  # the next segment's length under `segment_s`
         self.min_rows = int(min_rows)
         # Diagnostics (the tests read them): Σ over decode steps of the rows computed, and of
         # rows × the cache slots they attended over.
@@ -212,12 +221,14 @@ class Sampler:
 
     def _decode(self, carry: dict, params: SamplingParams, prompt_width: int,
                 window_steps: list[int],
-                run_segment: Callable[[dict, jax.Array], dict]) -> dict[str, np.ndarray]:
+                run_segment: Callable[[dict, jax.Array], dict],
+                on_segment: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
         """Run the decode segments of one prompt batch (`run_segment(carry, until)`), growing
-        the cache at each of `window_steps` (`window_ends`); its outputs, one row per sample."""
+        the cache at each of `window_steps` (`window_ends`); its outputs, one row per sample.
+        `on_segment(step)` runs after each segment with the tokens decoded so far."""
         rows0 = self.batch_size * params.n
         max_new = params.max_new_tokens
-        segment = max_new if not params.stop_token_ids else (
+        longest = max_new if not params.stop_token_ids else (
             self.segment_steps or max(8, math.ceil(max_new / 8)))
         ends = iter(window_steps)
         window_end = next(ends)
@@ -228,13 +239,20 @@ class Sampler:
             if step >= window_end:
                 window_end = next(ends)
                 carry = grow_cache(carry, cache_len=prompt_width + window_end)
+            segment = longest if self.segment_s is None else min(longest, self._timed_steps)
             until = min(step + segment, window_end)
+            start = time.perf_counter()
             carry = run_segment(carry, jnp.int32(until))
-            stopped = host_array(carry["loop"]["stopped"])
+            stopped = host_array(carry["loop"]["stopped"])  # (waits for the segment)
             done = int(carry["loop"]["step"]) - step
+            if self.segment_s is not None:  # a compile makes the next one short, once
+                rate = done / max(time.perf_counter() - start, 1e-6)
+                self._timed_steps = max(1, int(self.segment_s * rate))
             self.rows_decoded += len(current) * done
             self.slots_attended += len(current) * done * (prompt_width + window_end)
             step = int(carry["loop"]["step"])
+            if on_segment is not None:
+                on_segment(step)
             if step >= max_new or stopped.all():
                 break
             live = np.flatnonzero(~stopped)
@@ -267,12 +285,16 @@ class Sampler:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, key: Array,
                  *, progress: bool = False, return_logits: bool = False,
-                 on_batch: Callable[[int], None] | None = None) -> GenerationOutput:
+                 on_batch: Callable[[int], None] | None = None,
+                 on_segment: Callable[[int, int], None] | None = None) -> GenerationOutput:
         """Sample `params.n` completions for every prompt (token id lists, no padding).
 
         `return_logits` also returns every step's unprocessed logits (tests and debugging:
         memory N × max_new × V floats). `on_batch(prompts)` is called after each prompt batch
-        with its number of prompts (progress bars, stop checks).
+        with its number of prompts (progress bars, stop checks); `on_segment(batch, step)`
+        before each prompt batch (step 0: its prefill, which compiles on first use) and after
+        each of its decode segments (`step` tokens decoded), so a stop check or a progress
+        line does not wait for the whole batch.
         """
         prompts = [list(map(int, p)) for p in prompts]
         if not prompts:
@@ -314,11 +336,15 @@ class Sampler:
             # Padding prompts (last batch) are one real token so every row is well defined.
             tokens[len(chunk):, -1] = self.pad_token_id
             mask[len(chunk):, -1] = 1
+            segment_done = None
+            if on_segment is not None:
+                on_segment(batch_index, 0)
+                segment_done = functools.partial(on_segment, batch_index)
             carry = prefill(graphdef, state, layer_params, jnp.asarray(tokens),
                             jnp.asarray(mask), jax.random.fold_in(key, batch_index),
                             temperature, top_p, stop_ids, cache_dtype=cache_dtype,
                             cache_len=width + windows[0], **static)
-            out = self._decode(carry, params, width, windows, run_segment)
+            out = self._decode(carry, params, width, windows, run_segment, segment_done)
             keep = len(chunk) * params.n
             pieces.append({k: v[:keep] for k, v in out.items()})
             if on_batch is not None:

@@ -4,13 +4,16 @@ A multi-host job must stop at one step everywhere: a host that leaves the loop t
 while another enters the next train step waits forever in mismatched collectives. So the
 decision goes through a sync point:
 
-- one process: SIGTERM or Ctrl-C sets a flag (a Python handler), read after each step;
+- one process: SIGTERM or Ctrl-C is noted (`jaxrl_llm/core/signals.py`'s `stop_point`) and read
+  after each step;
 - several processes with JAX's preemption sync manager (started by
   `jax.distributed.initialize`, on by default: `jax_enable_preemption_service`): JAX catches
   SIGTERM itself (a C++ handler), tells every host through the coordination service, and
   `multihost_utils.reached_preemption_sync_point(step)` returns True on every host at the same
   step (one after the largest step any host had reached). A Python SIGTERM handler would
-  replace JAX's, so none is installed in this mode. Measured with two local CPU processes: only
+  replace JAX's, so none is installed in this mode (JAX's, installed by
+  `jax.distributed.initialize`, replaced the one `signals.supervise` installed before it), and
+  a Ctrl-C on one host exits that host at once. Measured with two local CPU processes: only
   one gets SIGTERM and both leave the loop after the same step;
 - several processes without that manager: each step all-gathers the local flags (one
   scalar collective) and stops when any is set.
@@ -21,14 +24,11 @@ process at the same step (hooks run the same program everywhere).
 
 from __future__ import annotations
 
+import contextlib
+
+from jaxrl_llm.core.signals import STOP_SIGNALS, stop_point
+
 LOCAL, JAX_SYNC, ALLGATHER = "local", "jax_sync_point", "allgather"
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect of a job stopped by SIGTERM
-
-
-class Preempted(Exception):
-    """A command's training stage stopped on SIGTERM or Ctrl-C after checkpointing
-    (`iterate`, `quickstart`): the command exits 143 (SIGTERM) or 130 (Ctrl-C,
-    `signals.last_signal`); re-running it resumes."""
 
 
 def sync_mode() -> str:
@@ -46,34 +46,35 @@ def sync_mode() -> str:
 class StopSync:
     """The stop decision of one training loop: `install()` before it, `should_stop(step)`
     after every step on every process, `uninstall()` after it. SIGTERM and Ctrl-C (SIGINT)
-    both stop it (`jaxrl_llm/core/signals.py`), except in JAX_SYNC mode, where JAX handles SIGTERM
-    and a Ctrl-C on one host alone keeps Python's default."""
+    both stop it (a `signals.stop_point`), except in JAX_SYNC mode, where JAX handles SIGTERM
+    and a Ctrl-C on one host exits it at once."""
 
     def __init__(self, mode: str | None = None) -> None:
-        from jaxrl_llm.core.signals import STOP_SIGNALS, StopSignals
-
         self.mode = mode if mode is not None else sync_mode()
-        self._signals = StopSignals(() if self.mode == JAX_SYNC else STOP_SIGNALS,
-                                    what="the current step and its checkpoint")
+        self._signals = () if self.mode == JAX_SYNC else STOP_SIGNALS
+        self._active = contextlib.ExitStack()
+        self._point = None
+        self._requested = False
 
     def request(self) -> None:
-        self._signals.request()
+        self._requested = True
 
     def is_set(self) -> bool:
         """Whether this process was asked to stop (not yet agreed with the others)."""
-        return self._signals.signum is not None
+        return self._requested or (self._point is not None and self._point.stopping())
 
     @property
     def signum(self) -> int | None:
         """The signal that stopped this process (None: a request, or JAX's preemption)."""
-        return self._signals.signum
+        return self._point.signum if self._point is not None else None
 
     def install(self) -> None:
-        """Route the stop signals to the flag (main thread only)."""
-        self._signals.install()
+        """Take the stop signals from here on (`uninstall` ends it)."""
+        self._point = self._active.enter_context(
+            stop_point("the current step and its checkpoint", self._signals))
 
     def uninstall(self) -> None:
-        self._signals.uninstall()
+        self._active.close()
 
     def should_stop(self, step: int) -> bool:
         """True on every process at the same `step` once any process got SIGTERM/request."""

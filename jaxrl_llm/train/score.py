@@ -27,6 +27,7 @@ output manifest; `max_mismatch` flags or drops sequences beyond a bound.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.progress import progress_bar
-from jaxrl_llm.core.signals import STOP_SIGNALS, StopSignals
+from jaxrl_llm.core.signals import STOP_SIGNALS, stop_point
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import Manifest, RecordSource, write_manifest, write_shard
@@ -236,10 +237,10 @@ def score_records(
     bar = progress_bar(plan.records, desc="score", unit="record",
                        enabled=progress and jax.process_index() == 0)
     # Ctrl-C / SIGTERM: stop after the batch; complete shards stay and a re-run skips them.
-    # Several processes score in lockstep and cannot stop apart: they keep the defaults.
-    stop = StopSignals(STOP_SIGNALS if jax.process_count() == 1 else (),
-                       what="the current batch (complete shards are kept)")
-    stop.install()
+    # Several processes score in lockstep and cannot stop apart: a signal exits at once.
+    active = contextlib.ExitStack()
+    stop = active.enter_context(stop_point("the current batch (complete shards are kept)",
+                                           STOP_SIGNALS if jax.process_count() == 1 else ()))
     try:
         for step, length in enumerate(lengths):
             stop.check("score")
@@ -263,7 +264,7 @@ def score_records(
                 scored = []
     finally:
         bar.close()
-        stop.uninstall()
+        active.close()
     stats = _global_stats(np.append(mismatch.stats(), len(plan.skipped)))
     metrics = {**Mismatch.combine(stats[:, :NUM_MISMATCH_STATS]),
                "score/skipped_shards": float(stats[:, NUM_MISMATCH_STATS].sum())}

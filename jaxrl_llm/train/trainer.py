@@ -15,8 +15,9 @@
 - Resume: a `Trainer` whose `run_dir/checkpoints` holds a committed checkpoint continues
   from the latest one.
 - SIGTERM (preemption) or Ctrl-C: the loop finishes the current step, checkpoints, and
-  returns with `stopped=True` (the `train` command then exits with 143, or 130 for Ctrl-C). With several processes the stop
-  step is agreed through a sync point (`train/preemption.py`), so all hosts save together.
+  returns with `stopped=True` (the `train` command then exits with 143, or 130 for Ctrl-C;
+  `jaxrl_llm/core/signals.py`). With several processes the stop step is agreed through a sync
+  point (`train/preemption.py`), so all hosts save together.
 - Non-finite steps are skipped by the step itself; `train.max_nonfinite_steps` consecutive
   ones stop the run with an error naming the step and the first non-finite quantity (never
   train on NaN); rows carry `train/nonfinite_skips` and `train/consecutive_nonfinite`
@@ -37,7 +38,7 @@ from etils import epath
 from jaxrl_llm.config import ExperimentConfig, dump_config
 from jaxrl_llm.core.atomic import atomic_write_text
 from jaxrl_llm.core.paths import PathLike, as_path
-from jaxrl_llm.train.preemption import EXIT_PREEMPTED, StopSync  # noqa: F401 (EXIT_PREEMPTED re-exported)
+from jaxrl_llm.train.preemption import StopSync
 from jaxrl_llm.train.state_items import STATE_FIELDS, state_items, with_items  # noqa: F401 (re-exported)
 
 # (step, state) -> metrics to log under "eval/" (or None)
@@ -208,7 +209,7 @@ class Trainer:
                                tensorboard=self.tensorboard, enabled=jax.process_index() == 0,
                                wandb=self.config.metrics, run_name=self.config.name,
                                run_config=self._meta(step, state)["config"])
-        _install_sigterm(self._stop)
+        self._stop.install()  # SIGTERM / Ctrl-C stop after a step (train/preemption.py)
         window = MetricWindow()
         from jaxrl_llm.core.progress import progress_bar
 
@@ -290,7 +291,7 @@ class Trainer:
             self.checkpointer.wait()
         finally:
             # Handlers first: wandb's finish() (in logger.close) loses its last rows under ours.
-            _restore_sigterm(self._stop)
+            self._stop.uninstall()
             bar.close()
             logger.close()
         return TrainResult(
@@ -409,13 +410,3 @@ def _shardings(tree: Any) -> Any:
     import jax
 
     return jax.tree.map(lambda x: x.sharding, tree)
-
-
-def _install_sigterm(stop: StopSync) -> None:
-    """Route SIGTERM to `stop` (one process: a Python handler; several: JAX's preemption
-    sync point, see `train/preemption.py`)."""
-    stop.install()
-
-
-def _restore_sigterm(stop: StopSync) -> None:
-    stop.uninstall()

@@ -74,6 +74,33 @@ def test_finished_rows_leave_the_batch_and_the_samples_do_not_change():
     assert pruned.rows_decoded < 0.75 * whole.rows_decoded
 
 
+def test_timed_segments_call_back_after_each_and_do_not_change_the_samples():
+    """`segment_s` cuts segments by time (a stop check or progress line at least that often):
+    at 1e-9 s every segment after the first one's 8 steps is one step; the samples are those of
+    the default segments. `on_segment` sees each batch's prefill (0) and every segment's end."""
+    model = _spread(Decoder(CONFIG, rngs=nnx.Rngs(1)))
+    prompts = [[int(t) for t in np.random.RandomState(i).randint(1, VOCAB, 3 + i % 4)]
+               for i in range(6)]
+    for stops in ((3, 7), ()):  # with stop tokens (pruned rows) and without (one segment)
+        params = SamplingParams(max_new_tokens=24, n=2, stop_token_ids=stops)
+        calls: list[tuple[int, int]] = []
+        default = Sampler(model, batch_size=4, prompt_buckets=(8,)).generate(
+            prompts, params, jax.random.key(5))
+        timed = Sampler(model, batch_size=4, prompt_buckets=(8,), min_rows=1, segment_s=1e-9)
+        out = timed.generate(prompts, params, jax.random.key(5),
+                             on_segment=lambda b, step, calls=calls: calls.append((b, step)))
+        np.testing.assert_array_equal(out.tokens, default.tokens)
+        np.testing.assert_array_equal(out.lengths, default.lengths)
+        np.testing.assert_allclose(out.raw_logprobs, default.raw_logprobs, atol=1e-5)
+        for batch, rows in ((0, slice(0, 8)), (1, slice(8, 12))):
+            steps = [step for b, step in calls if b == batch]
+            last = int(out.lengths[rows].max()) if stops else 24
+            # prefill, then 8 steps (the very first segment: it measures the rate), then one
+            # step per segment (step 1 is the prefill's token)
+            first = 9 if batch == 0 else 2
+            assert steps == [0, *range(first, last + 1)], (stops, batch, steps)
+
+
 def test_window_ends_split_the_decode_steps_in_parts_of_at_least_32():
     # max_new - 1 decode steps in min(windows, steps // 32) parts, rounded up: worked by hand.
     assert window_ends(40, 4) == [40]  # 39 steps: one window

@@ -18,10 +18,10 @@ import pytest
 import yaml
 from flax import nnx
 
+from jaxrl_llm.core.signals import EXIT_SIGTERM
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.shards import write_records
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer, restore_model
-from jaxrl_llm.train.trainer import EXIT_PREEMPTED
 
 from .helpers import free_port
 
@@ -119,7 +119,7 @@ def test_sigterm_on_one_host_stops_both_at_one_step_then_resume_matches(tmp_path
     results = _finish(procs)
     stop_steps = []
     for code, out in results:
-        assert code == EXIT_PREEMPTED, out[-3000:]
+        assert code == EXIT_SIGTERM, out[-3000:]
         found = re.search(r"stopped by SIGTERM at step (\d+)", out)
         assert found, out[-3000:]
         stop_steps.append(int(found.group(1)))
