@@ -133,15 +133,16 @@ def _stage_problems(stage: Stage, config: Any, outputs: dict[str, str | None]) -
             out.append(f"reads {value} but the {previous} stage writes {outputs[previous]}")
 
     if name == "generate":
-        written = _flag(argv, "--out") or config.generate.output
+        written = _flag(argv, "--out") or config.generate.output or config.data.records
         if written is None:
-            out.append("writes nowhere: set generate.output")
+            out.append("writes nowhere: set generate.output or data.records")
         if (argv[0].endswith(".sh") or config.generate.backend == "vllm") and not config.model.path:
             out.append("vLLM samples from an HF directory: set model.path")
         outputs[name] = written
     elif name == "score":
         records = _flag(argv, "--records") or config.data.records
-        reads(records, "data.records (the generate stage's generate.output)", "generate")
+        reads(records, "data.records (where generate writes unless generate.output is set)",
+              "generate")
         written = _flag(argv, "--out") or config.generate.score_output
         outputs[name] = written or (records.rstrip("/") + "-scored" if records else None)
     elif name == "curate":

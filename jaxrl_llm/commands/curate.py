@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.data.curation import curate_directory
     from jaxrl_llm.data.records import RecordError
+    from jaxrl_llm.data.signal import check_signal
     from jaxrl_llm.data.stages import has_mu, needs_score, stage_input, stage_output
 
     config = load_experiment_config(args.config, args.overrides)
@@ -45,4 +46,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise ConfigError(f"data.curation={d.curation!r}: {err}") from err
     print(json.dumps({"output": out, **comp.to_dict()}, indent=2))
+    # No positives / all-equal groups: what that does to the loss, before anyone trains on it.
+    warning = check_signal(config, out, refuse=False)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0

@@ -14,7 +14,8 @@ from jaxrl_llm.commands.config import add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", help="record directory (default: generate.output)")
+    parser.add_argument("--out", help="record directory (default: generate.output, else "
+                        "data.records)")
     parser.add_argument("--model", help="vllm backend: HF model directory (default: model.path)")
     parser.add_argument("--gold", action="store_true", help="write gold solutions as SFT records")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing record directory")
@@ -24,14 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.data.stages import stage_output
     from jaxrl_llm.policy.opener import open_model, open_tokenizer
     from jaxrl_llm.tasks import task_from_config
 
     config = load_experiment_config(args.config, args.overrides)
     g, d = config.generate, config.data
-    out = args.out or g.output
-    if out is None:
-        raise ConfigError("set --out or generate.output")
+    out = stage_output(config, "generate", args.out)  # --out, generate.output, data.records
     task = task_from_config(config)
     if args.gold:
         from jaxrl_llm.data.shards import write_records

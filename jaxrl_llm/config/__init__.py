@@ -238,6 +238,12 @@ class TrainConfig(Section):
     # Before step 1, compare the compiled step's peak memory with the memory left and pick
     # micro-batches or refuse with the figure (parallel/memory.py); false starts anyway.
     check_memory: bool = True
+    # Train even when the records give the loss nothing to learn (data/signal.py): no record
+    # it raises (TOPR family, PPO: none with R − loss.baseline > 0; Off-RL, FPA: none with
+    # R > 0), so it only pushes probability down, or every group's rewards equal (GRPO-style
+    # group baselines: every advantage 0). false: `jaxrl-llm train` refuses such records,
+    # naming the fractions.
+    allow_no_signal: bool = False
 
     @model_validator(mode="after")
     def _micro_divides(self) -> TrainConfig:
@@ -276,7 +282,7 @@ class GenerateConfig(Section):
     # prompts per sampler batch (fewer when the KV cache would not fit)
     batch_size: int = Field(32, gt=0)
     split: str = "train"  # task split to sample prompts from
-    output: RunPath | None = Field(None, description="record directory to write (local or gs://)")
+    output: RunPath | None = Field(None, description="record directory generate writes (local or gs://); default: data.records")
     records_per_shard: int = Field(10_000, gt=0)  # records per ArrayRecord shard
     stop_at_eos: bool = True  # end a completion at the tokenizer's EOS
     chunk_prompts: int | None = Field(None, gt=0, description="prompts per resumable chunk "

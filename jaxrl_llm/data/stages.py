@@ -1,6 +1,6 @@
 """Which record directory each stage of the chain reads and writes, from ONE config.
 
-    generate ──▶ data.records                     (generate.output; the same directory)
+    generate ──▶ generate.output, default data.records
     score    ◀── data.records
              ──▶ generate.score_output            (default: `<data.records>-scored`)
     curate   ◀── the scored records when they exist, else data.records
@@ -74,11 +74,18 @@ def stage_input(config: Any, stage: str, override: str | epath.PathLike | None =
 
 
 def stage_output(config: Any, stage: str, override: str | epath.PathLike | None = None) -> str:
-    """The directory `stage` ("score" or "curate") writes; `override` (`--out`) wins."""
+    """The directory `stage` ("generate", "score" or "curate") writes; `override` (`--out`)
+    wins."""
     from jaxrl_llm.core.errors import ConfigError
 
     if override is not None:
         return str(override)
+    if stage == "generate":
+        out = config.generate.output or config.data.records
+        if out is None:
+            raise ConfigError("generate writes nowhere: set data.records (where score, curate "
+                              "and train look for its records) or generate.output, or pass --out")
+        return str(out)
     if stage == "score":
         out = scored_directory(config)
         if out is None:
@@ -88,7 +95,8 @@ def stage_output(config: Any, stage: str, override: str | epath.PathLike | None 
         if config.data.curated is None:
             raise ConfigError("curate writes nowhere: set data.curated (or pass --out)")
         return str(config.data.curated)
-    raise ValueError(f"stage {stage!r} writes no record directory; expected score or curate")
+    raise ValueError(f"stage {stage!r} writes no record directory; expected generate, score "
+                     "or curate")
 
 
 def needs_score(config: Any) -> bool:

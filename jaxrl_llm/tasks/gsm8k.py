@@ -6,8 +6,8 @@ are GSM8K-style `{"question": ..., "answer": "steps ... #### 42"}` from a local 
 file or `hf://openai/gsm8k:main` when online. The eight exemplars below are our own problems
 written in the format of Wang et al. (2022)'s prompt, not copied from any dataset.
 
-Options (`data.task_options`, docs/tasks.md): `num_shots` (0–8; 0 asks for the answer format
-in one instruction line instead of showing exemplars: ~640 fewer prompt tokens) and
+Options (`data.task_options`, docs/tasks.md): `num_shots` (0–8; 0 states the answer format
+with one short worked example instead of the exemplars: ~600 fewer prompt tokens) and
 `answer_format` ("The answer is", or "####" — GSM8K's own `#### N` line, for models trained on
 GSM8K-style solutions; exemplars, gold solutions and the grader all follow it).
 """
@@ -51,6 +51,21 @@ ANSWER_FORMATS = (MAGIC, HASH)
 def _final(marker: str, number: str) -> str:
     """The closing words of a solution in `marker`'s format."""
     return f"{MAGIC} {number}." if marker == MAGIC else f"{HASH} {number}"
+
+
+# The zero-shot prompt's one worked example: asked for "#### N" without one, the packaged
+# SmolLM2-135M-Instruct wrote the letter N, "A: 64" or nothing (README § Your own model and
+# data measures the wordings). Its question is no exemplar's, its answer is 2 + 3 = 5.
+EXAMPLE_QUESTION = "Tom has 2 apples and buys 3 more. How many apples does he have?"
+EXAMPLE_STEPS, EXAMPLE_ANSWER = "Tom has 2 + 3 = 5 apples.", "5"
+
+
+def zero_shot_instruction(marker: str = MAGIC) -> str:
+    """What precedes the question at `num_shots: 0`: the format, and one worked example
+    that ends in `marker`'s answer line."""
+    return ("Solve the problem step by step. End with the final answer on its own line, as in "
+            f"this example.\n\nQ: {EXAMPLE_QUESTION}\n"
+            f"A: {EXAMPLE_STEPS}\n{_final(marker, EXAMPLE_ANSWER)}\n")
 
 
 def few_shot_prefix(k: int = 8, marker: str = MAGIC) -> str:
@@ -104,8 +119,7 @@ class GSM8KTask(Task):
 
     def prompt(self, problem: Problem) -> str:
         if self.num_shots == 0:  # no exemplar shows the format: say it
-            return (f"Q: {problem.question}\nSolve it step by step, then give the final number "
-                    f"as '{_final(self.answer_format, 'N')}'\nA:")
+            return f"{zero_shot_instruction(self.answer_format)}\nQ: {problem.question}\nA:"
         return f"{self._prefix}Q: {problem.question}\nA:"
 
     def gold_completion(self, problem: Problem) -> str | None:

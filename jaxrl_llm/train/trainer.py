@@ -67,7 +67,9 @@ class TrainResult:
 class Trainer:
     """Trains `config` on the records in `records` (default: data.curated, else the scored
     records, else data.records; `data.stages.stage_input`) into `run_dir`
-    (default `config.run_dir`); see the module docstring."""
+    (default `config.run_dir`); see the module docstring. `refuse_no_signal`: records that
+    give the loss nothing to learn are refused unless `train.allow_no_signal` (else a
+    warning; data/signal.py)."""
 
     def __init__(
         self,
@@ -83,10 +85,12 @@ class Trainer:
         progress: bool = True,
         tensorboard: bool = True,
         init_from: PathLike | None = None,
+        refuse_no_signal: bool = False,
     ) -> None:
         import jax
 
         from jaxrl_llm.data.loader import loader_from_config
+        from jaxrl_llm.data.signal import check_signal
         from jaxrl_llm.data.stages import check_mu, stage_input
         from jaxrl_llm.parallel.mesh import make_mesh
         from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
@@ -121,6 +125,11 @@ class Trainer:
         self.config = config = check_records(config, self.records)
         check_all_records(self.records, model_vocab_size(config),  # every record, before step 1
                           process_index=jax.process_index(), process_count=jax.process_count())
+        # No positives / all-equal groups: a warning, or with `refuse_no_signal` (`jaxrl-llm
+        # train`) a ConfigError unless train.allow_no_signal (data/signal.py).
+        warning = check_signal(config, self.records, refuse=refuse_no_signal)
+        if warning and jax.process_index() == 0:
+            print(warning, file=sys.stderr)
         self.run_dir = as_path(run_dir if run_dir is not None else config.run_dir)
         self.eval_hook, self.on_batch, self.on_step = eval_hook, on_batch, on_step
         if config.train.record_trace:  # data-order audit (train/record_trace.py)

@@ -17,7 +17,9 @@ from tests.faults.harness import command
 from tests.user.cli import jaxrl, user_env
 
 CONFIG = ("run_dir: run\nmesh: {data: 1}\nloss: {name: topr}\n"
-          "train: {steps: 2, batch_size: 8, max_seq_len: 160, checkpoint_every: 2}\n"
+          # a random model's records hold no positive: train anyway (data/signal.py)
+          "train: {steps: 2, batch_size: 8, max_seq_len: 160, checkpoint_every: 2, "
+          "allow_no_signal: true}\n"
           "generate: {n: 2, max_new_tokens: 8, batch_size: 4, output: recs}\n"
           "data: {num_prompts: 12, records: recs}\neval: {n: 2, num_questions: 8, batch_size: 4}\n")
 

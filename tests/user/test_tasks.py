@@ -36,13 +36,16 @@ def test_zero_shot_gsm8k_with_hash_answers_and_a_system_prompt(tmp_path: Path) -
     for record, row in zip(records, ROWS, strict=True):
         # SmolLM2's ChatML, written out by hand: our system turn replaces its default one.
         assert record.prompt_text == (
-            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nQ: {row['question']}\n"
-            "Solve it step by step, then give the final number as '#### N'\nA:<|im_end|>\n"
-            "<|im_start|>assistant\n")
+            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+            "Solve the problem step by step. End with the final answer on its own line, as in "
+            "this example.\n\nQ: Tom has 2 apples and buys 3 more. How many apples does he "
+            "have?\nA: Tom has 2 + 3 = 5 apples.\n#### 5\n\n"
+            f"Q: {row['question']}\nA:<|im_end|>\n<|im_start|>assistant\n")
         gold = row["answer"].rsplit("#### ", 1)[1]
         assert record.completion_text.rstrip().endswith(f"#### {gold}"), record.completion_text
         assert record.correct and record.reward == 1.0  # the grader reads the #### line
-        assert record.prompt_ids.size < 80  # the 8-shot prompt alone is ~640 tokens
+        # the 8-shot prompt alone is ~640 tokens; the zero-shot one holds one short example
+        assert record.prompt_ids.size < 160
 
 
 def test_gsm8k_hash_format_grades_only_hash_answers() -> None:
@@ -62,3 +65,23 @@ def test_an_unknown_task_option_names_the_key(tmp_path: Path) -> None:
     done = jaxrl(tmp_path, "generate", "--config", "c.yaml", "--gold", "--out", "gold")
     assert done.returncode == 2
     assert "data.task_options" in done.stderr and "answer_format" in done.stderr
+
+
+def test_zero_shot_prompt_has_a_worked_example_the_grader_reads() -> None:
+    """Issue 42: asked for "#### N", SmolLM2-135M wrote the letter N. The zero-shot prompt now
+    holds one worked example whose last line is a numbered answer in the task's format; that
+    line, read by the grader, gives the example's answer, worked out here by hand: Tom has
+    2 apples and buys 3 more, 2 + 3 = 5."""
+    from jaxrl_llm.tasks import get_task
+    from jaxrl_llm.tasks.base import Problem
+
+    for fmt, line in (("####", "#### 5"), ("The answer is", "The answer is 5.")):
+        task = get_task("gsm8k", num_shots=0, answer_format=fmt)
+        prompt = task.prompt(Problem(id="p", question="How many pens?", answer="9"))
+        example, question = prompt.split("\n\nQ: ")[1:]
+        assert example.startswith("Tom has 2 apples and buys 3 more.") and question == (
+            "How many pens?\nA:"), prompt
+        assert example.endswith(f"\n{line}"), example  # the answer line closes the example
+        assert "N'" not in prompt  # no placeholder letter to copy
+        graded = task.score(Problem(id="e", question="", answer="5"), example)
+        assert (graded.answer, graded.correct, graded.invalid) == ("5", True, False)

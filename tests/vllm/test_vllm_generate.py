@@ -136,7 +136,9 @@ def test_trainer_scores_vllm_float32_records_as_vllm_did(workdir) -> None:
     assert report["mismatch/mean_abs_logprob_diff"] < 1e-4, report
     assert report["mismatch/max_abs_seq_logprob_diff"] < 1e-2, report
     assert report["mismatch/ess_fraction"] > 0.999, report
-    ok(jaxrl(workdir, "train", "--config", "gen.yaml", "--records", "data/scored"))
+    # 32 samples of a 135M model may hold no correct answer: train anyway (data/signal.py)
+    ok(jaxrl(workdir, "train", "--config", "gen.yaml", "--records", "data/scored",
+             "train.allow_no_signal=true"))
     rows = [json.loads(x) for x in (workdir / "runs" / "train" / "metrics.jsonl").read_text().splitlines()]
     step1 = next(r for r in rows if r.get("step") == 1)
     for key in ("step1/loss/log_ratio_mean", "step1/loss/log_ratio_max"):
