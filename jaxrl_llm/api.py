@@ -15,6 +15,7 @@ once. `jaxrl-llm online` (jaxrl_llm/online/) is built on this module.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +113,7 @@ class Policy:
         self.mesh = mesh
         self.info = dict(info or {})
         self.task = task_from_config(config)
-        self._sampler: Any = None
+        self._said: set[str] = set()  # memory notes already printed (one per figure)
         self._score_fns: dict[float, Any] = {}
 
     # -- the model ------------------------------------------------------------------------
@@ -127,6 +128,12 @@ class Policy:
         return int(np.asarray(self.state.step))
 
     # -- sampling -------------------------------------------------------------------------
+    def _say_once(self, text: str) -> None:
+        """Print a sampling memory note once, not at every round of an online run."""
+        if text not in self._said:
+            self._said.add(text)
+            print(text, file=sys.stderr)
+
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Prompt texts → token ids (chat template as `data.chat_template` says)."""
         from jaxrl_llm.generate.completions import encode_prompts, format_prompts
@@ -141,7 +148,8 @@ class Policy:
                seed: int = 0) -> Samples:
         """`n` completions per prompt (texts or token ids) with the KV-cache sampler
         (`sampling/sampler.py`) on the current weights; defaults from `generate:`."""
-        from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
+        from jaxrl_llm.sampling.build import build_sampler
+        from jaxrl_llm.sampling.sampler import SamplingParams
 
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
@@ -152,12 +160,12 @@ class Policy:
             temperature=g.temperature if temperature is None else temperature,
             top_k=g.top_k, top_p=g.top_p, n=n or g.n,
             stop_token_ids=(eos,) if g.stop_at_eos and eos is not None else ())
-        if self._sampler is None:
-            pad = getattr(self.tokenizer, "pad_token_id", None)
-            self._sampler = Sampler(self.model, pad_token_id=0 if pad is None else pad,
-                                    batch_size=g.batch_size)
-        self._sampler.model = self.model  # this update's weights; the programs stay compiled
-        out = self._sampler.generate(ids, params, jax.random.key(seed))
+        # This update's weights, a prompt batch that fits the memory left for this call's
+        # n, lengths and prompts; the compiled programs are shared (module-level jits).
+        sampler = build_sampler(self.model, self.tokenizer, ids, batch_size=g.batch_size,
+                                n=params.n, max_new_tokens=params.max_new_tokens,
+                                key="generate.batch_size", say=self._say_once)
+        out = sampler.generate(ids, params, jax.random.key(seed))
         lengths = [int(x) for x in out.lengths]
         return Samples(
             prompt_index=np.asarray(out.prompt_index),

@@ -51,21 +51,18 @@ def sample_and_grade(
     from jaxrl_llm.core.progress import progress_bar
     from jaxrl_llm.core.signals import stop_point
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
-    from jaxrl_llm.generate.fit import fit_sampler_batch
     from jaxrl_llm.generate.jax_backend import SEGMENT_S, SamplingProgress, sample_completions
-    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
+    from jaxrl_llm.sampling.build import build_sampler
+    from jaxrl_llm.sampling.sampler import SamplingParams
 
     eos = getattr(tokenizer, "eos_token_id", None)
-    pad = getattr(tokenizer, "pad_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n,
                             stop_token_ids=() if eos is None else (int(eos),))
     prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
-    batch_size = fit_sampler_batch(model, batch_size=batch_size, n=n, max_new_tokens=max_new_tokens,
-                                   prompt_len=default_bucket(max(map(len, prompt_ids), default=1)),
-                                   key="eval.batch_size")
-    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size,
-                      segment_s=SEGMENT_S if jax.process_count() == 1 else None)
+    sampler = build_sampler(model, tokenizer, prompt_ids, batch_size=batch_size, n=n,
+                            max_new_tokens=max_new_tokens, key="eval.batch_size",
+                            segment_s=SEGMENT_S)
     bar = progress_bar(len(problems), desc=f"evaluate {getattr(task, 'name', '')}".strip(),
                        unit="question", enabled=progress and jax.process_index() == 0)
     with stop_point("the current decode segment") as stop:
@@ -106,7 +103,8 @@ def verify_samples(
 
     from jaxrl_llm.generate.completions import encode_prompts
     from jaxrl_llm.generate.jax_backend import sample_completions
-    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
+    from jaxrl_llm.sampling.build import build_sampler
+    from jaxrl_llm.sampling.sampler import SamplingParams
     from jaxrl_llm.tasks.base import Problem
     from jaxrl_llm.tasks.verify import VerifyTask, parse_verdict
 
@@ -117,12 +115,12 @@ def verify_samples(
         for p, texts in zip(problems, graded.texts, strict=True) for j, text in enumerate(texts)
     ]
     eos = getattr(tokenizer, "eos_token_id", None)
-    pad = getattr(tokenizer, "pad_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                             n=verifications, stop_token_ids=() if eos is None else (int(eos),))
-    sampler = Sampler(verifier, pad_token_id=0 if pad is None else pad, batch_size=batch_size)
-    completions = sample_completions(sampler, encode_prompts(tokenizer, prompts), params,
-                                     jax.random.key(seed + 1))
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    sampler = build_sampler(verifier, tokenizer, prompt_ids, batch_size=batch_size,
+                            n=verifications, max_new_tokens=max_new_tokens, key="eval.batch_size")
+    completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed + 1))
     verdicts = np.full((len(prompts), verifications), -1, np.int8)
     filled = np.zeros(len(prompts), np.int64)
     for c in completions:

@@ -3,7 +3,7 @@
 Prompts are processed in chunks of `chunk_prompts`; each chunk is sampled (n per prompt),
 scored by the task and appended to the record shards. The progress bar counts prompts and
 moves after every prompt batch, its status after every decode segment (`jaxrl_llm/core/progress.py`).
-Before sampling, the prompt batch is fitted to the memory left (`generate/fit.py`). Ctrl-C or
+Before sampling, the prompt batch is fitted to the memory left (`sampling/build.py`). Ctrl-C or
 SIGTERM stops after the current decode segment (`jaxrl_llm/core/signals.py`): the directory stays
 without a manifest, so readers refuse it and re-running the command writes it again.
 """
@@ -102,21 +102,18 @@ def generate_records(
     """Sample `n` completions per problem and write scored records to `out_dir`."""
     from jaxrl_llm.core.progress import progress_bar
     from jaxrl_llm.core.signals import stop_point
-    from jaxrl_llm.generate.fit import fit_sampler_batch
-    from jaxrl_llm.sampling.sampler import Sampler, SamplingParams, default_bucket
+    from jaxrl_llm.sampling.build import build_sampler
+    from jaxrl_llm.sampling.sampler import SamplingParams
 
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())
-    pad = getattr(tokenizer, "pad_token_id", None)
     prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
-    batch_size = fit_sampler_batch(model, batch_size=batch_size, n=n, max_new_tokens=max_new_tokens,
-                                   prompt_len=default_bucket(max(map(len, prompt_ids), default=1)),
-                                   key="generate.batch_size")
-    sampler = Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=batch_size,
-                      segment_s=SEGMENT_S if jax.process_count() == 1 else None)
-    chunk = chunk_prompts or batch_size * 4
+    sampler = build_sampler(model, tokenizer, prompt_ids, batch_size=batch_size, n=n,
+                            max_new_tokens=max_new_tokens, key="generate.batch_size",
+                            segment_s=SEGMENT_S)
+    chunk = chunk_prompts or sampler.batch_size * 4
     key = jax.random.key(seed)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     with ShardWriter(

@@ -1,12 +1,19 @@
-"""Before sampling (`generate`, `evaluate`): will a prompt batch's KV cache fit in the memory
-left? If not, fewer prompts per batch (only speed changes, and which random draws each
-sample gets), or a refusal naming the figure and the fix (`parallel/memory.py`)."""
+"""The one way a caller gets a sampler (`generate`, `evaluate` and its verifier, the API's
+`Policy.sample`): a `Sampler` over the model with the tokenizer's pad id, whose prompt batch
+fits the memory left.
+
+Before sampling, will a prompt batch's KV cache fit? If not, fewer prompts per batch (only
+speed changes, and which random draws each sample gets), or a refusal naming the figure and
+the fix (`parallel/memory.py`).
+"""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import jax
 
 from jaxrl_llm.parallel.memory import (
     HOST_OVERHEAD,
@@ -15,6 +22,7 @@ from jaxrl_llm.parallel.memory import (
     available_memory,
     gib,
 )
+from jaxrl_llm.sampling.sampler import Sampler, default_bucket, sampling_bytes
 
 
 def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
@@ -22,10 +30,6 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
                       say: Callable[[str], None] | None = None) -> int:
     """The largest prompt batch ≤ `batch_size` (halving) whose sampling memory fits; `key`
     names the config key of the batch size in the messages."""
-    import jax
-
-    from jaxrl_llm.sampling.sampler import sampling_bytes
-
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_kv_heads"):
         return batch_size  # not a Decoder (test models): nothing to estimate
@@ -55,3 +59,20 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
             f"estimated) and {gib(available.bytes)} is {available.where}: sampling {size} "
             f"prompts per batch instead (set {key}={size} to silence this)")
     return size
+
+
+def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
+                  batch_size: int, n: int, max_new_tokens: int, key: str,
+                  say: Callable[[str], None] | None = None,
+                  segment_s: float | None = None) -> Sampler:
+    """A `Sampler` for `prompt_ids` (token id lists): pad id from `tokenizer` (0 if it has
+    none), prompt batch `batch_size` or fewer so that `n` samples of `max_new_tokens` after
+    the longest prompt's bucket fit (`fit_sampler_batch`; `key` is the batch size's config key).
+    `segment_s`: decode segments cut to about that many seconds, so a command's progress and
+    Ctrl-C act within a batch (single-process only: the sampler's own rule)."""
+    prompt_len = default_bucket(max(map(len, prompt_ids), default=1))
+    fitted = fit_sampler_batch(model, batch_size=batch_size, n=n, prompt_len=prompt_len,
+                               max_new_tokens=max_new_tokens, key=key, say=say)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=fitted,
+                   segment_s=segment_s if jax.process_count() == 1 else None)
