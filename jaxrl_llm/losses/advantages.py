@@ -44,8 +44,9 @@ def _check_group_inputs(rewards: Array, group_ids: Array, record_mask: Array | N
     return record_mask.astype(rewards.dtype)
 
 
-def _segments(group_ids: Array) -> Array:
-    """Dense segment index in [0, B) for each record (static size: jit-able)."""
+def group_segments(group_ids: Array) -> Array:
+    """Dense segment index in [0, B) for each record, from arbitrary int group ids (static
+    size: jit-able), for `jax.ops.segment_*` with `num_segments = B`."""
     b = group_ids.shape[0]
     _, inverse = jnp.unique(group_ids, return_inverse=True, size=b, fill_value=0)
     return inverse.reshape(b)
@@ -60,7 +61,7 @@ def _group_sum(values: Array, seg: Array) -> Array:
 def group_sizes(group_ids: Array, record_mask: Array | None = None) -> Array:
     """Number of (unmasked) records in each record's group, per record [B]."""
     rm = _check_group_inputs(jnp.zeros(jnp.shape(group_ids), jnp.float32), group_ids, record_mask)
-    return _group_sum(rm, _segments(jnp.asarray(group_ids)))
+    return _group_sum(rm, group_segments(jnp.asarray(group_ids)))
 
 
 def constant_baseline_advantages(rewards: Array, baseline: float | Array = 0.0) -> Array:
@@ -89,7 +90,7 @@ def rloo_advantages(
     group_ids = jnp.asarray(group_ids)
     if singleton_baseline is None and not isinstance(rewards, jax.core.Tracer):
         check_group_sizes(group_ids, record_mask, min_size=2, why="RLOO leave-one-out")
-    seg = _segments(group_ids)
+    seg = group_segments(group_ids)
     r = jnp.where(rm > 0, rewards, 0.0) * rm
     total = _group_sum(r, seg)
     count = _group_sum(rm, seg)
@@ -121,7 +122,7 @@ def grpo_advantages(
     check_ddof(ddof)
     rm = _check_group_inputs(rewards, group_ids, record_mask)
     rewards = jnp.asarray(rewards)
-    seg = _segments(jnp.asarray(group_ids))
+    seg = group_segments(jnp.asarray(group_ids))
     r = jnp.where(rm > 0, rewards, 0.0) * rm
     count = _group_sum(rm, seg)
     safe_count = jnp.maximum(count, 1.0)

@@ -109,7 +109,14 @@ def safe_len(m: Array) -> Array:
 
 
 def wmean(x: Array, w: Array) -> Array:
-    """Weighted mean; 0 when the weights sum to 0."""
+    """`Σ w·x / Σ w` over the entries with w > 0; 0 when the weights sum to 0.
+
+    Entries of weight 0 (masked tokens, padding rows) never reach the result, not even a NaN
+    or inf held there: `sum(x * w)` alone would give NaN, since NaN·0 = NaN in IEEE. A batch
+    with no weight (no negative records, say) gives 0 rather than NaN: the trainer averages
+    each metric over a logging window's steps (`train/window.py`), and one NaN step would
+    turn the whole window's row into null.
+    """
     x = jnp.where(w > 0, x, 0.0)
     return jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1e-12)
 

@@ -32,6 +32,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.losses.advantages import group_segments
+from jaxrl_llm.losses.common import wmean
 from jaxrl_llm.losses.preference_inputs import (
     _check_records,
     _check_tokens,
@@ -40,7 +42,6 @@ from jaxrl_llm.losses.preference_inputs import (
     _pair_metrics,
     _record_weights,
     _sequence_logprob,
-    _wmean,
 )
 from jaxrl_llm.losses.types import LossOutput
 
@@ -112,7 +113,7 @@ def rpo_loss(
     chosen_nll = -_sequence_logprob(logp, mask)[chosen] / jnp.maximum(_lengths(mask)[chosen], 1.0)
     per_pair = jax.nn.softplus(-beta * (chosen_lr - rejected_lr)) + alpha * chosen_nll
     metrics = dict(_pair_metrics(beta, chosen_lr, rejected_lr, pw))
-    metrics["chosen_nll_per_token"] = _wmean(chosen_nll, pw)
+    metrics["chosen_nll_per_token"] = wmean(chosen_nll, pw)
     return LossOutput(jnp.sum(pw * per_pair), jnp.sum(pw), metrics)
 
 
@@ -144,7 +145,7 @@ def kto_loss(
     good = jnp.asarray(correct).astype(bool)
     logratio = _sequence_logprob(logp, mask) - _sequence_logprob(ref_logp, mask)
     if z0 is None:
-        z0 = jnp.maximum(0.0, _wmean(logratio, rw))
+        z0 = jnp.maximum(0.0, wmean(logratio, rw))
     z0 = jax.lax.stop_gradient(jnp.asarray(z0, logratio.dtype))
     value = jnp.where(
         good, lambda_w * jax.nn.sigmoid(beta * (logratio - z0)),
@@ -152,7 +153,7 @@ def kto_loss(
     )
     per_record = jnp.where(good, lambda_w, lambda_l) - value
     w_good, w_bad = rw * good, rw * (~good)
-    chosen_lr, rejected_lr = _wmean(logratio, w_good), _wmean(logratio, w_bad)
+    chosen_lr, rejected_lr = wmean(logratio, w_good), wmean(logratio, w_bad)
     metrics = {
         "z0": z0,
         "chosen_logratio": chosen_lr,
@@ -162,13 +163,6 @@ def kto_loss(
         "num_incorrect": jnp.sum(w_bad),
     }
     return LossOutput(jnp.sum(rw * per_record), jnp.sum(rw), metrics)
-
-
-def _segments(group_ids: Array) -> Array:
-    """Dense segment index in [0, B) for arbitrary int ids (static size: jit-able)."""
-    b = group_ids.shape[0]
-    _, inverse = jnp.unique(group_ids, return_inverse=True, size=b, fill_value=0)
-    return inverse.reshape(b)
 
 
 def soft_group_values(
@@ -188,7 +182,7 @@ def soft_group_values(
     batch = rewards.shape[0]
     chex.assert_shape(group_ids, (batch,))
     rw = _record_weights(record_mask, batch) > 0
-    seg = _segments(group_ids)
+    seg = group_segments(group_ids)
     scaled = jnp.where(rw, rewards / beta1, -jnp.inf)
     top = jax.ops.segment_max(scaled, seg, num_segments=batch)[seg]
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -230,10 +224,10 @@ def apo_loss(
     logratio = _sequence_logprob(logp, mask) - _sequence_logprob(ref_logp, mask)
     per_record = jnp.square(beta2 * logratio - advantage)
     metrics = {
-        "logratio": _wmean(logratio, rw),
-        "value": _wmean(jnp.asarray(values, jnp.float32), rw),
-        "advantage": _wmean(advantage, rw),
-        "advantage_abs": _wmean(jnp.abs(advantage), rw),
+        "logratio": wmean(logratio, rw),
+        "value": wmean(jnp.asarray(values, jnp.float32), rw),
+        "advantage": wmean(advantage, rw),
+        "advantage_abs": wmean(jnp.abs(advantage), rw),
     }
     return LossOutput(jnp.sum(rw * per_record), jnp.sum(rw), metrics)
 

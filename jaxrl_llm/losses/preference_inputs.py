@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.losses.common import wmean
+
 Array = jax.Array
 
 
@@ -45,10 +47,6 @@ def _sequence_logprob(logp: Array, mask: Array) -> Array:
 
 def _lengths(mask: Array) -> Array:
     return jnp.sum((jnp.asarray(mask) > 0).astype(jnp.float32), axis=-1)
-
-
-def _wmean(x: Array, w: Array) -> Array:
-    return jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1e-12)
 
 
 def _pairs(
@@ -89,11 +87,11 @@ def _pair_logratios(fn, logp, ref_logp, mask, pair_index, record_mask):
 def _pair_metrics(beta, chosen_lr, rejected_lr, pw) -> dict[str, Array]:
     delta = chosen_lr - rejected_lr
     return {
-        "chosen_logratio": _wmean(chosen_lr, pw),
-        "rejected_logratio": _wmean(rejected_lr, pw),
-        "chosen_reward": _wmean(beta * chosen_lr, pw),
-        "rejected_reward": _wmean(beta * rejected_lr, pw),
-        "reward_margin": _wmean(beta * delta, pw),
-        "reward_accuracy": _wmean((delta > 0).astype(jnp.float32), pw),
+        "chosen_logratio": wmean(chosen_lr, pw),
+        "rejected_logratio": wmean(rejected_lr, pw),
+        "chosen_reward": wmean(beta * chosen_lr, pw),
+        "rejected_reward": wmean(beta * rejected_lr, pw),
+        "reward_margin": wmean(beta * delta, pw),
+        "reward_accuracy": wmean((delta > 0).astype(jnp.float32), pw),
         "num_pairs": jnp.sum(pw),
     }
