@@ -18,6 +18,7 @@ from etils import epath
 
 from jaxrl_llm.core.atomic import atomic_write_text
 from jaxrl_llm.core.paths import PathLike, as_path, find_files
+from jaxrl_llm.tasks.loading import read_jsonl
 
 # (file stem, title, y label, metric-name regexes)
 SERIES = (
@@ -43,21 +44,6 @@ SERIES = (
     ("effective_positive_fraction", "Effective positive fraction (TOPR arXiv:2503.14286 eq. 12)", "p̃ (fraction of the batch's weight)",
      (r"effective_pos",)),
 )
-
-
-def read_jsonl(path: epath.Path) -> list[dict[str, object]]:
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON line: {err}") from err
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
 
 
 def collect_run(run_dir: PathLike) -> tuple[list[dict[str, object]], dict[str, dict[str, object]]]:

@@ -9,15 +9,13 @@ else 0. The equation is parsed by `tasks.expression` (exact rationals; never `ev
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 from fractions import Fraction
 
-from etils import epath
-
 from jaxrl_llm.tasks.base import Problem, RewardResult, RewardScheme, Task
 from jaxrl_llm.tasks.expression import ExpressionError, parse_expression
+from jaxrl_llm.tasks.loading import load_rows
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
 
@@ -94,14 +92,11 @@ class CountdownTask(Task):
         if self.path is None:
             return [self.make_problem(i, split=split, seed=seed) for i in range(num or 256)]
         problems = []
-        for i, line in enumerate(epath.Path(self.path).read_text().splitlines()):
-            if not line.strip():
-                continue
-            row = json.loads(line)
+        for i, row in enumerate(load_rows(self.path, split=split)):
             try:
                 numbers, target = [int(n) for n in row["nums"]], int(row["target"])
             except (KeyError, TypeError, ValueError) as err:
-                raise ValueError(f"{self.path}:{i + 1}: need 'nums' (ints) and 'target' ({err})") from err
+                raise ValueError(f"{self.path} row {i}: need 'nums' (ints) and 'target' ({err})") from err
             problems.append(self._problem(f"countdown-{i}", numbers, target, None, None))
         return problems[:num] if num else problems
 

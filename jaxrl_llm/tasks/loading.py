@@ -32,16 +32,22 @@ def load_rows(path: str, *, split: str = "train") -> list[dict[str, Any]]:
         except ImportError as err:
             raise ImportError(f"{path}: reading Parquet needs `pip install pyarrow`") from err
         return pq.read_table(io.BytesIO(p.read_bytes())).to_pylist()
+    return read_jsonl(p)
+
+
+def read_jsonl(path: str | epath.Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (local or remote), blank lines skipped; a line
+    that is not a JSON object is refused naming the file and line (task files, `metrics.jsonl`)."""
     rows = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+    for lineno, line in enumerate(epath.Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from err
+            raise ValueError(f"{path}:{lineno}: not a JSON line: {err}") from err
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object")
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
     return rows
 
