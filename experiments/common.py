@@ -317,13 +317,6 @@ def load_policy(path: str, config: Any) -> Any:
     return open_model(path, config, key="--model").model
 
 
-def mean_se(values: Sequence[Sequence[float]] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and standard error over axis 0 (the seeds)."""
-    a = np.asarray(values, dtype=np.float64)
-    se = a.std(axis=0, ddof=1) / math.sqrt(a.shape[0]) if a.shape[0] > 1 else np.zeros(a.shape[1:])
-    return a.mean(axis=0), se
-
-
 def _check_finite(obj: Any, where: str = "results") -> None:
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -367,6 +360,27 @@ def parse_args(description: str, default_out: str,
     return args
 
 
+TESTBEDS = ("char", "quickstart")
+
+
+def add_testbed_args(parser: Any) -> None:
+    """`--testbed` and `--seeds` of the claim-2 and claim-4 scripts (experiments/testbed.py)."""
+    parser.add_argument("--testbed", choices=TESTBEDS, default="char",
+                        help="char: the 2-layer character-level policy (sections full/smoke); "
+                             "quickstart: the quickstart's SFT policy (full_quickstart/"
+                             "smoke_quickstart)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="run only these of the section's seeds (finished runs in OUT "
+                             "are reused)")
+
+
+def testbed_section(args: Any) -> str:
+    """The config section the arguments select: `full` / `smoke`, `_quickstart` appended
+    with `--testbed quickstart`."""
+    return ("smoke" if args.smoke else "full") + \
+        ("_quickstart" if getattr(args, "testbed", "char") == "quickstart" else "")
+
+
 def run_experiment(doc: str, name: str, config: Path,
                    run: Callable[[Any, dict[str, Any]], dict[str, Any]],
                    plot: Callable[[dict[str, Any], Path], None], *,
@@ -377,12 +391,10 @@ def run_experiment(doc: str, name: str, config: Path,
     `smoke` section, record wall and CPU seconds, write `results.json` and `NAME.png`.
     `testbeds`: `--testbed quickstart` runs `full_quickstart` / `smoke_quickstart` and writes
     `NAME_quickstart.png` (experiments/testbed.py; `--seeds` cuts the section's seeds)."""
-    from experiments import testbed
-
     args = parse_args(doc.splitlines()[0], f"runs/experiments/{name}",
-                      extra=testbed.add_args if testbeds else extra, cache_name=cache_name,
+                      extra=add_testbed_args if testbeds else extra, cache_name=cache_name,
                       smoke_cache_name=smoke_cache_name)
-    cfg = yaml.safe_load(config.read_text())[testbed.section(args)]
+    cfg = yaml.safe_load(config.read_text())[testbed_section(args)]
     if getattr(args, "seeds", None):
         cfg["seeds"] = [s for s in cfg["seeds"] if s in args.seeds]
         cfg["select_seeds"] = [s for s in cfg.get("select_seeds", []) if s in args.seeds]

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common, testbed
+from experiments import aggregate, common, testbed
 
 CONFIG = Path(__file__).with_name("fpa_dynamics.yaml")
 KEYS = ("pass_at_1", "invalid", "diff_correct", "diff_incorrect", "count_below")
@@ -207,8 +207,7 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         runs = [entry["runs"][str(s)]["rows"] for s in cfg["seeds"]]
         entry["steps"] = [r["step"] for r in runs[0]]
         for key in (*KEYS, "probe_below_incorrect"):
-            mean, se = common.mean_se([[r[key] for r in rows] for rows in runs])
-            entry[key] = {"mean": mean.tolist(), "se": se.tolist()}
+            entry[key] = aggregate.over_seeds(runs, key)
     return results
 
 

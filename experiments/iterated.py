@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from experiments import common
+from experiments import aggregate, common
 
 
 def iterate_config(path: Path, warm: dict[str, Any], cfg: dict[str, Any], *, seed: int,
@@ -112,11 +112,7 @@ def run_arms(out: Path, warm: dict[str, Any], cfg: dict[str, Any],
         runs = [entry["runs"][str(s)]["rows"] for s in cfg["seeds"]]
         entry["iteration"] = list(range(cfg["iterations"] + 1))
         for key in ("pass_at_1", "invalid"):
-            mean, se = common.mean_se([[r[key] for r in rows] for rows in runs])
-            entry[key] = {"mean": mean.tolist(), "se": se.tolist()}
-        ks = sorted(runs[0][0]["pass_at_k"], key=int)
-        entry["pass_at_k"] = {}
-        for k in ks:
-            mean, se = common.mean_se([[r["pass_at_k"][k] for r in rows] for rows in runs])
-            entry["pass_at_k"][k] = {"mean": mean.tolist(), "se": se.tolist()}
+            entry[key] = aggregate.over_seeds(runs, key)
+        entry["pass_at_k"] = {k: aggregate.over_seeds(runs, lambda r, k=k: r["pass_at_k"][k])
+                              for k in sorted(runs[0][0]["pass_at_k"], key=int)}
     return results

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common
+from experiments import aggregate, common
 
 CONFIG = Path(__file__).with_name("offline_epochs.yaml")
 ESS_METRIC = "loss/ess_fraction"
@@ -263,19 +263,15 @@ def summarise(cfg: dict[str, Any], method: str, runs: dict[float, dict[int, list
         "seconds": seconds,
     }
     for key in ("pass_at_1", "invalid", "dataset_ess_fraction"):
-        mean, se = common.mean_se([[r[key] for r in rows] for rows in by_seed])
-        entry[key] = {"mean": mean.tolist(), "se": se.tolist()}
+        entry[key] = aggregate.over_seeds(by_seed, key)
     for name, key in (("clip_fraction", clip_key), ("trainer_ess_fraction", entry["ess_metric"])):
         if key is not None:
-            mean, se = common.mean_se([[r[key] for r in rows[1:]] for rows in by_seed])
-            entry[name] = {"mean": mean.tolist(), "se": se.tolist()}
-    final = [rows[-1]["pass_at_1"] for rows in by_seed]
-    mean, se = common.mean_se([[x] for x in final])
-    entry["final_test_pass_at_1"] = {"mean": float(mean[0]), "se": float(se[0])}
+            entry[name] = aggregate.over_seeds(by_seed, key, first=1)
+    entry["final_test_pass_at_1"] = aggregate.mean_and_se([rows[-1]["pass_at_1"]
+                                                           for rows in by_seed])
     # the change from the start, per seed (each seed's start is the same μ on the same draws)
-    deltas = [rows[-1]["pass_at_1"] - rows[0]["pass_at_1"] for rows in by_seed]
-    mean, se = common.mean_se([[x] for x in deltas])
-    entry["final_minus_start"] = {"mean": float(mean[0]), "se": float(se[0])}
+    entry["final_minus_start"] = aggregate.mean_and_se(
+        [rows[-1]["pass_at_1"] - rows[0]["pass_at_1"] for rows in by_seed])
     return entry
 
 

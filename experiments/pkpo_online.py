@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common, pkpo_iterated, staleness
+from experiments import aggregate, common, pkpo_iterated, staleness
 
 CONFIG = Path(__file__).with_name("pkpo_online.yaml")
 
@@ -118,10 +118,8 @@ def summarise(runs: dict[str, list[dict[str, float]]], seconds: dict[str, float]
     out: dict[str, Any] = {"updates": [r["updates"] for r in by_seed[0]], "runs": runs,
                            "seconds": seconds, "pass_at_k": {}}
     for k in range(1, n + 1):
-        mean, se = common.mean_se([[r[f"pass_at_{k}"] for r in rows] for rows in by_seed])
-        out["pass_at_k"][str(k)] = {"mean": mean.tolist(), "se": se.tolist()}
-    mean, se = common.mean_se([[r["invalid"] for r in rows] for rows in by_seed])
-    out["invalid"] = {"mean": mean.tolist(), "se": se.tolist()}
+        out["pass_at_k"][str(k)] = aggregate.over_seeds(by_seed, f"pass_at_{k}")
+    out["invalid"] = aggregate.over_seeds(by_seed, "invalid")
     return out
 
 

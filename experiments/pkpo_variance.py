@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common
+from experiments import aggregate, common
 
 TRANSFORMS = ("s", "sloo", "sloo_minus_one")
 CONFIG = Path(__file__).with_name("pkpo_variance.yaml")
@@ -78,8 +78,9 @@ def run(config: dict[str, Any], seed: int) -> dict[str, Any]:
         est = gradient_samples(float(th), n, k0, sigma, trials, rng)
         for name, v in est.items():
             by_theta[name]["variance"].append(float(v.var(ddof=1)))
-            by_theta[name]["mean"].append(float(v.mean()))
-            by_theta[name]["mean_se"].append(float(v.std(ddof=1) / np.sqrt(len(v))))
+            summary = aggregate.mean_and_se(v)  # over the trials' draws
+            by_theta[name]["mean"].append(summary["mean"])
+            by_theta[name]["mean_se"].append(summary["se"])
     ks = config["ks"]
     th0 = config["theta_for_k_sweep"]
     by_k: dict[str, Any] = {"k": ks, "theta": th0,
@@ -91,8 +92,9 @@ def run(config: dict[str, Any], seed: int) -> dict[str, Any]:
         for name, v in est.items():
             by_k[name]["k"].append(k)
             by_k[name]["variance"].append(float(v.var(ddof=1)))
-            by_k[name]["mean"].append(float(v.mean()))
-            by_k[name]["mean_se"].append(float(v.std(ddof=1) / np.sqrt(len(v))))
+            summary = aggregate.mean_and_se(v)
+            by_k[name]["mean"].append(summary["mean"])
+            by_k[name]["mean_se"].append(summary["se"])
     return {"config": config, "seed": seed, "by_theta": by_theta, "by_k": by_k}
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common
+from experiments import aggregate, common
 
 CONFIG = Path(__file__).with_name("staleness.yaml")
 LOGGED = ("ess", "clip", "mask", "log_ratio")
@@ -328,15 +328,12 @@ def summarise(runs: dict[str, list[dict[str, float]]], seconds: dict[str, float]
     for key in keys:
         first = 0 if key in ("pass_at_1", "invalid") else 1  # step 0 has no loss metrics
         if all(key in r for rows in by_seed for r in rows[first:]):
-            mean, se = common.mean_se([[r[key] for r in rows[first:]] for rows in by_seed])
-            out[key] = {"mean": mean.tolist(), "se": se.tolist()}
+            out[key] = aggregate.over_seeds(by_seed, key, first=first)
     for key in ("pass_at_1", "invalid"):
-        mean, se = common.mean_se([[rows[-1][key]] for rows in by_seed])
-        out[f"final_{key}"] = {"mean": float(mean[0]), "se": float(se[0]),
-                               "per_seed": [rows[-1][key] for rows in by_seed]}
-    mean, se = common.mean_se([[rows[-1]["pass_at_1"] - rows[0]["pass_at_1"]]
-                               for rows in by_seed])
-    out["final_minus_start"] = {"mean": float(mean[0]), "se": float(se[0])}
+        per_seed = [rows[-1][key] for rows in by_seed]
+        out[f"final_{key}"] = {**aggregate.mean_and_se(per_seed), "per_seed": per_seed}
+    out["final_minus_start"] = aggregate.mean_and_se(
+        [rows[-1]["pass_at_1"] - rows[0]["pass_at_1"] for rows in by_seed])
     return out
 
 

@@ -12,6 +12,10 @@ questions (problem seed `common.VALIDATION_SEED`, not the test questions); the r
 best mean validation pass@1 is the arm's, and its other seeds run at it. Which arms get their
 own sweep is the script's `lr_select` key (each arm, or one reference arm per group whose
 rate the group shares). A section without it trains at its one `learning_rate`.
+
+The `--testbed` / `--seeds` arguments and the section they select are `common`'s
+(`add_testbed_args`, `testbed_section`): `common.run_experiment` reads them, and this module
+builds on `common`, not the other way round.
 """
 
 from __future__ import annotations
@@ -24,23 +28,6 @@ from typing import Any
 import numpy as np
 
 from experiments import common
-
-TESTBEDS = ("char", "quickstart")
-
-
-def add_args(parser: Any) -> None:
-    parser.add_argument("--testbed", choices=TESTBEDS, default="char",
-                        help="char: the 2-layer character-level policy (sections full/smoke); "
-                             "quickstart: the quickstart's SFT policy (full_quickstart/"
-                             "smoke_quickstart)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                        help="run only these of the section's seeds (finished runs in OUT "
-                             "are reused)")
-
-
-def section(args: Any) -> str:
-    return ("smoke" if args.smoke else "full") + \
-        ("_quickstart" if getattr(args, "testbed", "char") == "quickstart" else "")
 
 
 def warm_policy(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:

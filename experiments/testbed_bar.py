@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common, staleness
+from experiments import aggregate, common, staleness
 
 CONFIG = Path(__file__).with_name("testbed_bar.yaml")
 
@@ -47,8 +47,8 @@ def paired_change(per_seed: list[np.ndarray], start: np.ndarray) -> dict[str, fl
     finals = np.stack(per_seed)                      # [seeds, Q]
     by_seed = finals.mean(axis=1) - start.mean()
     d = finals.mean(axis=0) - start                  # [Q]
-    seed_se = float(by_seed.std(ddof=1) / np.sqrt(len(by_seed))) if len(by_seed) > 1 else 0.0
-    question_se = float(d.std(ddof=1) / np.sqrt(d.size))
+    seed_se = aggregate.mean_and_se(by_seed)["se"]
+    question_se = aggregate.mean_and_se(d)["se"]
     change = float(d.mean())
     return {"change": change, "se_seeds": seed_se, "se_questions_paired": question_se,
             # None where the SE is 0 (e.g. the smoke policy, which answers nothing right)

@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common, testbed
+from experiments import aggregate, common, testbed
 
 CONFIG = Path(__file__).with_name("topr_baseline.yaml")
 
@@ -193,11 +193,9 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                     entry["losses"].setdefault(loss, {}).setdefault(str(seed), []).append(row)
         for loss, by_seed in entry["losses"].items():
             per_seed = [by_seed[str(s)] for s in cfg["seeds"]]
-            summary = {}
-            for key in ("pass_at_1", "invalid", "p_tilde_logged"):
-                mean, se = common.mean_se([[r[key] for r in rows] for rows in per_seed])
-                summary[key] = {"mean": mean.tolist(), "se": se.tolist()}
-            entry["losses"][loss] = {"runs": by_seed, **summary}
+            entry["losses"][loss] = {"runs": by_seed, **{
+                key: aggregate.over_seeds(per_seed, key)
+                for key in ("pass_at_1", "invalid", "p_tilde_logged")}}
         results["datasets"][name] = entry
     results["step0"] = start
     return results

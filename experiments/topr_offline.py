@@ -22,7 +22,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common
+from experiments import aggregate, common
 
 CONFIG = Path(__file__).with_name("topr_offline.yaml")
 
@@ -106,8 +106,7 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         runs = [entry["runs"][str(s)]["rows"] for s in cfg["seeds"]]
         entry["steps"] = [r["step"] for r in runs[0]]
         for key in ("pass_at_1", "invalid"):
-            mean, se = common.mean_se([[r[key] for r in rows] for rows in runs])
-            entry[key] = {"mean": mean.tolist(), "se": se.tolist()}
+            entry[key] = aggregate.over_seeds(runs, key)
     return results
 
 

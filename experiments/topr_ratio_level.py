@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common
+from experiments import aggregate, common
 
 CONFIG = Path(__file__).with_name("topr_ratio_level.yaml")
 # Trainer metrics reported per probe (TOPR kernel, `losses.policy_gradient.topr_loss`).
@@ -112,12 +112,10 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         runs = [entry["runs"][str(s)]["rows"] for s in cfg["seeds"]]
         entry["steps"] = [r["step"] for r in runs[0]]
         for key in ("pass_at_1", "invalid"):
-            mean, se = common.mean_se([[r[key] for r in rows] for rows in runs])
-            entry[key] = {"mean": mean.tolist(), "se": se.tolist()}
+            entry[key] = aggregate.over_seeds(runs, key)
         entry["trained_steps"] = entry["steps"][1:]  # the trainer's metrics start at step 1
         for key in METRICS:
-            mean, se = common.mean_se([[r[key] for r in rows[1:]] for rows in runs])
-            entry[key] = {"mean": mean.tolist(), "se": se.tolist()}
+            entry[key] = aggregate.over_seeds(runs, key, first=1)
     return results
 
 
