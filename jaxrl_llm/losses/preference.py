@@ -33,14 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.losses.advantages import group_segments
-from jaxrl_llm.losses.common import wmean
+from jaxrl_llm.losses.common import record_weights, wmean
 from jaxrl_llm.losses.preference_inputs import (
     _check_records,
     _check_tokens,
     _lengths,
     _pair_logratios,
     _pair_metrics,
-    _record_weights,
     _sequence_logprob,
 )
 from jaxrl_llm.losses.types import LossOutput
@@ -141,7 +140,7 @@ def kto_loss(
     """
     batch = _check_tokens("kto_loss", mask, logp=logp, ref_logp=ref_logp)
     _check_records("kto_loss", batch, correct=correct, record_mask=record_mask)
-    rw = _record_weights(record_mask, batch)
+    rw = record_weights(record_mask, batch)
     good = jnp.asarray(correct).astype(bool)
     logratio = _sequence_logprob(logp, mask) - _sequence_logprob(ref_logp, mask)
     if z0 is None:
@@ -181,7 +180,7 @@ def soft_group_values(
     group_ids = jnp.asarray(group_ids)
     batch = rewards.shape[0]
     chex.assert_shape(group_ids, (batch,))
-    rw = _record_weights(record_mask, batch) > 0
+    rw = record_weights(record_mask, batch) > 0
     seg = group_segments(group_ids)
     scaled = jnp.where(rw, rewards / beta1, -jnp.inf)
     top = jax.ops.segment_max(scaled, seg, num_segments=batch)[seg]
@@ -216,7 +215,7 @@ def apo_loss(
         "apo_loss", batch, rewards=rewards, group_ids=group_ids, record_mask=record_mask,
         values=values,
     )
-    rw = _record_weights(record_mask, batch)
+    rw = record_weights(record_mask, batch)
     rewards = jnp.asarray(rewards, jnp.float32)
     if values is None:
         values = soft_group_values(rewards, group_ids, beta1=beta1, record_mask=record_mask)
@@ -246,7 +245,7 @@ def sft_loss(
     """
     batch = _check_tokens("sft_loss", mask, logp=logp)
     _check_records("sft_loss", batch, record_mask=record_mask)
-    rw = _record_weights(record_mask, batch)
+    rw = record_weights(record_mask, batch)
     nll = -_sequence_logprob(logp, mask)
     lengths = _lengths(mask)
     per_record = nll / jnp.maximum(lengths, 1.0) if length_norm else nll
@@ -285,7 +284,7 @@ def _sft_entry(
     **options,
 ) -> LossOutput:
     del ref_logp  # SFT needs no reference; the uniform signature passes it anyway
-    weights = _record_weights(record_mask, int(jnp.shape(mask)[0]))
+    weights = record_weights(record_mask, int(jnp.shape(mask)[0]))
     if positives_only and correct is not None:
         weights = weights * jnp.asarray(correct).astype(jnp.float32)
     return sft_loss(logp, mask, record_mask=weights, **options)

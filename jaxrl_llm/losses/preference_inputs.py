@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.losses.common import wmean
+from jaxrl_llm.losses.common import record_weights, wmean
 
 Array = jax.Array
 
@@ -31,12 +31,6 @@ def _check_records(fn: str, batch: int, **arrays: Array | None) -> None:
     for name, value in arrays.items():
         if value is not None and jnp.shape(value) != (batch,):
             raise ValueError(f"{fn}: {name} must have shape [{batch}], got {jnp.shape(value)}")
-
-
-def _record_weights(record_mask: Array | None, batch: int) -> Array:
-    if record_mask is None:
-        return jnp.ones((batch,), jnp.float32)
-    return jnp.asarray(record_mask, jnp.float32)
 
 
 def _sequence_logprob(logp: Array, mask: Array) -> Array:
@@ -79,7 +73,7 @@ def _pairs(
 def _pair_logratios(fn, logp, ref_logp, mask, pair_index, record_mask):
     batch = _check_tokens(fn, mask, logp=logp, ref_logp=ref_logp)
     _check_records(fn, batch, record_mask=record_mask)
-    chosen, rejected, pw = _pairs(fn, pair_index, batch, _record_weights(record_mask, batch))
+    chosen, rejected, pw = _pairs(fn, pair_index, batch, record_weights(record_mask, batch))
     logratio = _sequence_logprob(logp, mask) - _sequence_logprob(ref_logp, mask)
     return logratio[chosen], logratio[rejected], pw, chosen
 
