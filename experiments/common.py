@@ -25,6 +25,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 import yaml
 
+from experiments import redraw
+
 # The task and model every experiment shares (a tiny model SFTs in ~1 minute on 2 cores).
 TASK_OPTIONS = {"min_ops": 1, "max_ops": 1, "max_operand": 3}
 MODEL = {"source": "random", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -341,17 +343,24 @@ def parse_args(description: str, default_out: str,
                cache_name: str = "warm_policy", smoke_cache_name: str | None = None) -> Any:
     import argparse
 
+    from experiments import redraw
+
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=default_out, help="output directory (PNG + JSON)")
     parser.add_argument("--cache", default=None,
                         help="where the shared SFT-warmed policy is built once (default: "
                              f"OUT/../{cache_name}, or {cache_name}_smoke with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; under a minute")
+    parser.add_argument("--results-dir", default=None,
+                        help="where the results the figure was drawn from are copied as "
+                             "PNG-STEM.json (default: experiments/results, none with --smoke; "
+                             "'none': no copy); see experiments/redraw.py")
     if extra is not None:
         extra(parser)
     args = parser.parse_args()
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.results_dir = redraw.results_dir_arg(args.results_dir, args.smoke)
     smoke_name = smoke_cache_name or f"{cache_name}_smoke"
     if getattr(args, "testbed", "char") == "quickstart":  # experiments/testbed.py
         cache_name, smoke_name = "warm_policy_quickstart", "warm_policy_quickstart_smoke_sft"
@@ -383,7 +392,7 @@ def testbed_section(args: Any) -> str:
 
 def run_experiment(doc: str, name: str, config: Path,
                    run: Callable[[Any, dict[str, Any]], dict[str, Any]],
-                   plot: Callable[[dict[str, Any], Path], None], *,
+                   plot: Callable[[dict[str, Any], Path], Any], *,
                    cache_name: str = "warm_policy",
                    extra: Callable[[Any], None] | None = None, testbeds: bool = False,
                    smoke_cache_name: str | None = None) -> None:
@@ -407,7 +416,8 @@ def run_experiment(doc: str, name: str, config: Path,
     write_results(args.out, "results", results)
     png = f"{name}_quickstart.png" if getattr(args, "testbed", "char") == "quickstart" \
         else f"{name}.png"
-    plot(results, args.out / png)
+    # the figure only from the results, and those results committed beside it (redraw.py)
+    redraw.draw(name, results, args.out / png, args.results_dir, plot)
     print(f"wrote {args.out / 'results.json'} and {png} in {results['seconds']} s")
 
 

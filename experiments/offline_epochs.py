@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import aggregate, common
+from experiments import aggregate, common, redraw
 
 CONFIG = Path(__file__).with_name("offline_epochs.yaml")
 ESS_METRIC = "loss/ess_fraction"
@@ -275,12 +275,15 @@ def summarise(cfg: dict[str, Any], method: str, runs: dict[float, dict[int, list
     return entry
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # each method's seeds are the runs at its chosen lr (a merged results.json may mix counts)
+    labels = {method: redraw.seed_label(entry["runs"][f"lr{entry['best_lr']:g}"])
+              for method, entry in results["methods"].items()}
     fig, axes = plt.subplots(1, 4, figsize=(19, 3.9))
     panels = (("pass_at_1", "steps", "test pass@1"), ("invalid", "steps", "invalid rate"),
               ("dataset_ess_fraction", "steps", "ESS fraction of π(y)/μ(y) on the data"),
@@ -292,7 +295,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 continue
             steps = np.array(entry[xs])
             m, se = np.array(entry[key]["mean"]), np.array(entry[key]["se"])
-            label = f"{method} (lr {entry['best_lr']:g})"
+            label = f"{method} ({labels[method]}, lr {entry['best_lr']:g})"
             if key == "clip_fraction":
                 label = f"{method}: {entry['clip_metric']}"
             ax.plot(steps, m, color=color, label=label, marker=".")
@@ -301,12 +304,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 t = entry["trainer_ess_fraction"]
                 ax.plot(np.array(entry["trained_steps"]), t["mean"], color=color, ls="--",
                         label=f"{method}: trainer {entry['ess_metric']}")
-    n_seeds = len(results["config"]["seeds"])
     for ax, (_, _, title) in zip(axes, panels, strict=True):
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel(f"mean ± SE, {n_seeds} seeds")
+    same = len(set(labels.values())) == 1
+    axes[0].set_ylabel(f"mean ± SE, {next(iter(labels.values()))}" if same
+                       else "mean ± SE over each method's seeds (legend)")
     skipped = results.get("skipped_methods") or []
     note = f"; not in the registry yet: {', '.join(skipped)}" if skipped else ""
     fig.suptitle("Fixed offline dataset from the quickstart's SFT policy μ, many epochs, "
@@ -314,6 +318,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common, iterated
+from experiments import common, iterated, redraw
 
 CONFIG = Path(__file__).with_name("pkpo_iterated.yaml")
 
@@ -46,9 +46,9 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             **iterated.run_arms(args.out, warm, cfg, arms(cfg))}
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    plot_pass_at_k(results, path, x_key="iteration", unit="iteration", start_label="π_0",
-                   where="in the iterated loop (")
+def plot(results: dict[str, Any], path: Path) -> Any:
+    return plot_pass_at_k(results, path, x_key="iteration", unit="iteration",
+                          start_label="π_0", where="in the iterated loop (")
 
 
 def _label(name: str, entry: dict[str, Any]) -> str:
@@ -57,7 +57,7 @@ def _label(name: str, entry: dict[str, Any]) -> str:
 
 
 def plot_pass_at_k(results: dict[str, Any], path: Path, *, x_key: str, unit: str,
-                   start_label: str, where: str) -> None:
+                   start_label: str, where: str) -> Any:
     """Pass@k vs k after the last `unit`, and pass@1 / pass@n along `results[arm][x_key]`
     (shared with `pkpo_online.py`, whose x axis is updates)."""
     import matplotlib
@@ -95,6 +95,7 @@ def plot_pass_at_k(results: dict[str, Any], path: Path, *, x_key: str, unit: str
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def main() -> None:
@@ -104,7 +105,7 @@ def main() -> None:
     results = run(args, cfg)
     results["seconds"] = round(time.perf_counter() - t0, 1)
     common.write_results(args.out, "results", results)
-    plot(results, args.out / "pkpo_iterated.png")
+    redraw.draw("pkpo_iterated", results, args.out / "pkpo_iterated.png", args.results_dir, plot)
     print(f"wrote {args.out / 'results.json'} and pkpo_iterated.png in {results['seconds']} s")
 
 

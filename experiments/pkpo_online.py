@@ -123,9 +123,10 @@ def summarise(runs: dict[str, list[dict[str, float]]], seconds: dict[str, float]
     return out
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    pkpo_iterated.plot_pass_at_k(results, path, x_key="updates", unit="update",
-                                 start_label="μ (start)", where="online (quickstart testbed; ")
+def plot(results: dict[str, Any], path: Path) -> Any:
+    return pkpo_iterated.plot_pass_at_k(results, path, x_key="updates", unit="update",
+                                        start_label="μ (start)",
+                                        where="online (quickstart testbed; ")
 
 
 def main() -> None:

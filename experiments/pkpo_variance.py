@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import aggregate, common
+from experiments import aggregate, common, redraw
 
 TRANSFORMS = ("s", "sloo", "sloo_minus_one")
 CONFIG = Path(__file__).with_name("pkpo_variance.yaml")
@@ -113,7 +113,7 @@ def unbiasedness(results: dict[str, Any]) -> dict[str, float]:
     return worst
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,10 +134,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle("PKPO 1-D toy: x ~ N(θ, 0.1²), g(x) = x² on [0, 1]")
+    fig.suptitle(f"PKPO 1-D toy: x ~ N(θ, {results['config']['sigma']:g}²), g(x) = x² on [0, 1]")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def main() -> None:
@@ -148,7 +149,7 @@ def main() -> None:
     results["max_abs_z_vs_exact"] = unbiasedness(results)
     results["seconds"] = round(time.perf_counter() - t0, 1)
     common.write_results(args.out, "results", results)
-    plot(results, args.out / "pkpo_variance.png")
+    redraw.draw("pkpo_variance", results, args.out / "pkpo_variance.png", args.results_dir, plot)
     print(f"wrote {args.out / 'results.json'} and pkpo_variance.png in {results['seconds']} s")
 
 

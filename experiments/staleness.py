@@ -342,7 +342,7 @@ FRACTIONS = {"topr": "loss/clip_frac_neg_high", "grpo": "loss/clip_frac",
              "icepop": "loss/masked_frac"}
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -385,6 +385,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def options(parser: Any) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import common, iterated
+from experiments import common, iterated, redraw
 
 CONFIG = Path(__file__).with_name("topr_curation.yaml")
 
@@ -39,7 +39,7 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"config": cfg, "warm_policy": warm, **iterated.run_arms(args.out, warm, cfg, arms)}
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,6 +63,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
     results = run(args, cfg)
     results["seconds"] = round(time.perf_counter() - t0, 1)
     common.write_results(args.out, "results", results)
-    plot(results, args.out / "topr_curation.png")
+    redraw.draw("topr_curation", results, args.out / "topr_curation.png", args.results_dir, plot)
     print(f"wrote {args.out / 'results.json'} and topr_curation.png in {results['seconds']} s")
 
 

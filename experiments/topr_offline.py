@@ -22,7 +22,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from experiments import aggregate, common
+from experiments import aggregate, common, redraw
 
 CONFIG = Path(__file__).with_name("topr_offline.yaml")
 
@@ -110,7 +110,7 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,6 +133,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def main() -> None:
@@ -142,7 +143,7 @@ def main() -> None:
     results = run(args, cfg)
     results["seconds"] = round(time.perf_counter() - t0, 1)
     common.write_results(args.out, "results", results)
-    plot(results, args.out / "topr_offline.png")
+    redraw.draw("topr_offline", results, args.out / "topr_offline.png", args.results_dir, plot)
     print(f"wrote {args.out / 'results.json'} and topr_offline.png in {results['seconds']} s")
 
 

@@ -119,7 +119,7 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,6 +146,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def main() -> None:

@@ -3,8 +3,9 @@
 JSON exist, every number is finite, each method the registry has ran at every configured
 learning rate and seed with one point per probed step, the chosen learning rate is the sweep's
 best on validation, fractions lie in [0, 1], ESS is 1 before any update, the names the
-registry lacks are the ones reported skipped, and the quickstart's policy was built in its own
-cache. The scientific outcome is measured in experiments/README.md, not asserted here."""
+registry lacks are the ones reported skipped, the quickstart's policy was built in its own
+cache, and the figure redraws from the results copy `--results-dir` wrote. The scientific
+outcome is measured in experiments/README.md, not asserted here."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import math
 
 import pytest
 
+from experiments import redraw
 from jaxrl_llm.losses.registry import LOSS_SPECS
+from tests.experiments.test_figures import check_drawn_from, check_seed_labels, sha256_of
 from tests.experiments.test_smoke import numbers, run_smoke, smoke_config
 
 
 @pytest.mark.slow
 def test_offline_epochs_smoke(tmp_path):
-    out = run_smoke("offline_epochs.py", tmp_path)
+    out = run_smoke("offline_epochs.py", tmp_path, "--results-dir", str(tmp_path / "results"))
     assert (out / "offline_epochs.png").stat().st_size > 1000
     results = json.loads((out / "results.json").read_text())
     assert all(math.isfinite(x) for x in numbers(results))
@@ -57,3 +60,11 @@ def test_offline_epochs_smoke(tmp_path):
     assert warm["testbed"] == "quickstart" and warm["num_params"] > 0
     assert set(warm["splits"]) == {"validation", "test"}
     assert not (out.parent / "warm_policy_smoke" / "warm.json").exists()
+    # the results the figure was drawn from, copied beside it and redrawn from the copy: the
+    # drawn series are the JSON's and the legend's seed counts are each method's runs
+    copy = json.loads((tmp_path / "results" / "offline_epochs.json").read_text())
+    assert copy.pop("experiment") == "offline_epochs" and copy == results
+    png, fig = redraw.redraw(tmp_path / "results" / "offline_epochs.json", tmp_path / "redrawn")
+    assert redraw.png_text(out / "offline_epochs.png")["results_sha256"] == sha256_of(results)
+    check_drawn_from(results, fig)
+    check_seed_labels("offline_epochs", results, fig)
