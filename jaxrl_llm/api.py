@@ -15,6 +15,7 @@ once. `jaxrl-llm online` (jaxrl_llm/online/) is built on this module.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -279,7 +280,7 @@ class Policy:
     def save(self, directory: str | None = None, *, meta: Mapping[str, Any] | None = None) -> str:
         """An Orbax checkpoint of the whole state (params, optimizer, step, RNG) under
         `directory` (default `run_dir/checkpoints`), as `step = updates`; `export` and
-        `evaluate --model` read it."""
+        `evaluate --model` read it. Returns the step directory written (`…/checkpoints/3`)."""
         from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
         from jaxrl_llm.train.state_items import state_items
 
@@ -288,7 +289,7 @@ class Policy:
             mode="json", include=set(ExperimentConfig.model_fields)), **dict(meta or {})}
         with Checkpointer(out, async_save=False, keep=self.config.train.keep_checkpoints) as c:
             c.save(self.updates, state_items(self.state), meta=full, force=True)
-        return out
+            return os.fspath(c.directory / str(self.updates))
 
     def export(self, out_dir: str, *, dtype: str | None = None, overwrite: bool = False) -> str:
         """The current policy as a Hugging Face directory (atomic, `export.atomic_save`;

@@ -387,7 +387,9 @@ class DataConfig(Section):
     # a built-in task (docs/tasks.md) or an import path package.module:factory
     # (docs/custom_tasks.md)
     task: str = "arithmetic"
-    task_path: str | None = None  # the task's data file (JSONL/Parquet, or hf://org/name:config)
+    # the task's data file (JSONL/Parquet, or hf://org/name:config); a local path is made
+    # absolute against the current directory when the config loads, like every other path
+    task_path: RunPath | None = None
     records: RunPath | None = None  # record directory generate writes and score/curate/train read
     # uniform, target, Np (e.g. 10p), positives, anna_karenina, drop_uniform_groups, hard or dpo
     # (TOPR §4.3)
@@ -444,8 +446,9 @@ class EvalConfig(Section):
     maj_k: list[int] = Field(default_factory=lambda: [1, 4])  # K values of maj@K
     bootstrap_trials: int = Field(100, gt=0)  # bootstrap resamples of maj@K's error bar
     split: str = "test"  # task split evaluated
-    task_path: str | None = Field(None, description="the evaluation questions' file (default: "
-                                  "data.task_path; a local file holds one split)")
+    task_path: RunPath | None = Field(
+        None, description="the evaluation questions' file (default: data.task_path; a local "
+        "file holds one split; made absolute against the current directory)")
     # Sampling for evaluation; None = the generate section's value (FPA arXiv:2509.19893 evaluates at T=0.7).
     temperature: float | None = Field(None, ge=0)
     # longest completion; null = generate.max_new_tokens

@@ -36,16 +36,24 @@ _handler_registered = False
 
 
 def _register_array_handler() -> None:
+    """Replace Orbax's default jax.Array handler by one with our replica-parallel threshold,
+    once per process. The replacement is deliberate, so it goes through the registry's
+    `add(..., ignore_warnings=True)`: `register_type_handler(override=True)` logs an absl
+    "Type handler registry ... overriding jax.Array" warning on every checkpointing command."""
     global _handler_registered
-    if not _handler_registered:
-        ocp.type_handlers.register_type_handler(
-            jax.Array,
-            ocp.type_handlers.ArrayHandler(
-                min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES
-            ),
-            override=True,
+    if _handler_registered:
+        return
+    handler = ocp.type_handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES)
+    try:
+        from orbax.checkpoint._src.serialization.type_handler_registry import (
+            GLOBAL_TYPE_HANDLER_REGISTRY,
         )
-        _handler_registered = True
+    except ImportError:  # another Orbax layout: the public call (it logs the warning)
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    else:
+        GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, handler, override=True, ignore_warnings=True)
+    _handler_registered = True
 
 
 @dataclass(frozen=True)
