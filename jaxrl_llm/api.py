@@ -287,7 +287,8 @@ class Policy:
         out = directory or str(as_path(self.config.run_dir) / CHECKPOINT_DIR)
         full = {"config": self.config.model_dump(
             mode="json", include=set(ExperimentConfig.model_fields)), **dict(meta or {})}
-        with Checkpointer(out, async_save=False, keep=self.config.train.keep_checkpoints) as c:
+        with Checkpointer(out, async_save=False, keep=self.config.train.keep_checkpoints,
+                          params_dtype=self.config.train.checkpoint_dtype) as c:
             c.save(self.updates, state_items(self.state), meta=full, force=True)
             return os.fspath(c.directory / str(self.updates))
 

@@ -298,7 +298,14 @@ class TrainConfig(Section):
     log_every: int = Field(10, gt=0)  # a metrics row every this many steps
     # an Orbax checkpoint every this many steps (and at the end)
     checkpoint_every: int = Field(100, gt=0)
-    keep_checkpoints: int = Field(3, gt=0)  # checkpoints kept
+    # checkpoints kept (the newest; an older one is deleted only once the next is committed,
+    # and resume, iterate, evaluate and export read the newest): each holds 12 bytes a
+    # parameter with AdamW (docs/plan.md, "Disk")
+    keep_checkpoints: int = Field(1, gt=0)
+    # dtype the checkpoint stores the parameters (and a frozen reference) in: bfloat16 halves
+    # their bytes (the AdamW moments stay float32); a run resumed from it starts from rounded
+    # weights, so it is not bit-exact (a warning says so); export and evaluate read it as usual
+    checkpoint_dtype: Literal["float32", "bfloat16"] = "float32"
     # evaluate held-out pass@1 ± SE every this many steps (eval.* keys; `jaxrl-llm train`)
     eval_every: int | None = Field(None, gt=0)
     # Reference log-probs for DPO/RPO/KTO/A*-PO/off_rl_kl: precomputed in `batch.ref_logprobs`

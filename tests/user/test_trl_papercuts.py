@@ -36,3 +36,24 @@ def test_task_paths_are_absolute_in_the_resolved_config(tmp_path: Path) -> None:
     assert resolved["eval"]["task_path"] == str(tmp_path / "test.jsonl")
     done = jaxrl(tmp_path, "config", "data.task_path=hf://openai/gsm8k:main")
     assert yaml.safe_load(done.stdout)["data"]["task_path"] == "hf://openai/gsm8k:main"
+
+
+def test_checkpointing_commands_print_no_orbax_type_handler_warning(tmp_path: Path) -> None:
+    from jaxrl_llm.data.shards import write_records
+    from tests.data.helpers import make_records
+
+    records = make_records(8, vocab=50, group_size=2)
+    for r in records:
+        r.reward, r.correct = 1.0, True
+    write_records(tmp_path / "recs", records, scored_by="test")
+    (tmp_path / "c.yaml").write_text(
+        "run_dir: run\nmesh: {data: 1}\ndata: {records: recs}\n"
+        "train: {steps: 2, batch_size: 8, max_seq_len: 32, checkpoint_every: 1}\n")
+    trained = jaxrl(tmp_path, "train", "--config", "c.yaml", "--no-progress")
+    assert trained.returncode == 0, trained.stderr
+    exported = jaxrl(tmp_path, "export", "--checkpoint", "run", "--out", "hf")
+    assert exported.returncode == 0, exported.stderr
+    for done in (trained, exported):
+        # Orbax logged it on every command when our jax.Array handler replaced its default
+        assert "Type handler registry" not in done.stderr, done.stderr
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
