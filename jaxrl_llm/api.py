@@ -78,7 +78,7 @@ def load_policy(source: str | None = None, *,
 def restore_state(template: Any, path: str, *, step: int | None = None) -> Any:
     """`template` (a `TrainState`) with the arrays of checkpoint `path` (run, checkpoints or
     step directory; `step` default: its latest), restored onto the template's shardings."""
-    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, locate
+    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, locate, warn_if_rounded
     from jaxrl_llm.train.state_items import state_items, with_items
 
     directory, found = locate(path)
@@ -87,6 +87,7 @@ def restore_state(template: Any, path: str, *, step: int | None = None) -> Any:
                                    for k, v in items.items()})
     with Checkpointer(directory, async_save=False) as ckpt:
         restored = ckpt.restore(target, step=step if step is not None else found)
+    warn_if_rounded(restored.meta, f"resuming {path}")
     return with_items(template, restored.state)
 
 

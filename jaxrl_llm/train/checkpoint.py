@@ -184,7 +184,9 @@ class Checkpointer:
         items: dict[str, Any] = {STATE: ocp.args.StandardSave(state)}
         if data_iterator is not None:
             items[DATA] = _data_args(data_iterator, save=True)
-        meta_dict = {"step": int(step), PARAMS_DTYPE: self.params_dtype, **dict(meta or {})}
+        meta_dict = {"step": int(step), **dict(meta or {})}
+        if self.params_dtype != "float32":  # said only when rounded (warn_if_rounded reads it)
+            meta_dict[PARAMS_DTYPE] = self.params_dtype
         json.dumps(meta_dict)  # fail here, naming nothing half-written, if meta is not JSON
         items[META] = ocp.args.JsonSave(meta_dict)
         return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
