@@ -15,6 +15,7 @@ once. `jaxrl-llm online` (jaxrl_llm/online/) is built on this module.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ def load_policy(source: str | None = None, *,
 def restore_state(template: Any, path: str, *, step: int | None = None) -> Any:
     """`template` (a `TrainState`) with the arrays of checkpoint `path` (run, checkpoints or
     step directory; `step` default: its latest), restored onto the template's shardings."""
-    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, locate
+    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, locate, warn_if_rounded
     from jaxrl_llm.train.state_items import state_items, with_items
 
     directory, found = locate(path)
@@ -87,6 +88,7 @@ def restore_state(template: Any, path: str, *, step: int | None = None) -> Any:
                                    for k, v in items.items()})
     with Checkpointer(directory, async_save=False) as ckpt:
         restored = ckpt.restore(target, step=step if step is not None else found)
+    warn_if_rounded(restored.meta, f"resuming {path}")
     return with_items(template, restored.state)
 
 
@@ -286,16 +288,17 @@ class Policy:
     def save(self, directory: str | None = None, *, meta: Mapping[str, Any] | None = None) -> str:
         """An Orbax checkpoint of the whole state (params, optimizer, step, RNG) under
         `directory` (default `run_dir/checkpoints`), as `step = updates`; `export` and
-        `evaluate --model` read it."""
+        `evaluate --model` read it. Returns the step directory written (`…/checkpoints/3`)."""
         from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
         from jaxrl_llm.train.state_items import state_items
 
         out = directory or str(as_path(self.config.run_dir) / CHECKPOINT_DIR)
         full = {"config": self.config.model_dump(
             mode="json", include=set(ExperimentConfig.model_fields)), **dict(meta or {})}
-        with Checkpointer(out, async_save=False, keep=self.config.train.keep_checkpoints) as c:
+        with Checkpointer(out, async_save=False, keep=self.config.train.keep_checkpoints,
+                          params_dtype=self.config.train.checkpoint_dtype) as c:
             c.save(self.updates, state_items(self.state), meta=full, force=True)
-        return out
+            return os.fspath(c.directory / str(self.updates))
 
     def export(self, out_dir: str, *, dtype: str | None = None, overwrite: bool = False) -> str:
         """The current policy as a Hugging Face directory (atomic, `export.atomic_save`;

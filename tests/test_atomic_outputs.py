@@ -221,9 +221,8 @@ ALLOWED = {
     "directory",
     ("policy/export.py", "write_bytes"): "a staged GGUF copied to a remote object (objects appear "
     "whole)",
-    ("weights/lora_export.py", "save_file"): "PEFT adapter files, written inside the export's "
-    "temporary directory (export._save_local)",
-    ("weights/lora_export.py", "write_text"): "as above",
+    ("weights/lora_export.py", "save_file"): "into atomic_file's temporary file (safetensors "
+    "takes a path)",
     ("weights/hf_export.py", "save_file"): "writes into the temporary directory of "
     "atomic_directory (export.atomic_save; models may not import the helper)",
     ("weights/hf_export.py", "write_text"): "as above",

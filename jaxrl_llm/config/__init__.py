@@ -218,7 +218,14 @@ class TrainConfig(Section):
     log_every: int = Field(10, gt=0)  # a metrics row every this many steps
     # an Orbax checkpoint every this many steps (and at the end)
     checkpoint_every: int = Field(100, gt=0)
-    keep_checkpoints: int = Field(3, gt=0)  # checkpoints kept
+    # checkpoints kept (the newest; an older one is deleted only once the next is committed,
+    # and resume, iterate, evaluate and export read the newest): each holds 12 bytes a
+    # parameter with AdamW (docs/plan.md, "Disk")
+    keep_checkpoints: int = Field(1, gt=0)
+    # dtype the checkpoint stores the parameters (and a frozen reference) in: bfloat16 halves
+    # their bytes (the AdamW moments stay float32); a run resumed from it starts from rounded
+    # weights, so it is not bit-exact (a warning says so); export and evaluate read it as usual
+    checkpoint_dtype: Literal["float32", "bfloat16"] = "float32"
     # evaluate held-out pass@1 ± SE every this many steps (eval.* keys; `jaxrl-llm train`)
     eval_every: int | None = Field(None, gt=0)
     # Reference log-probs for DPO/RPO/KTO/A*-PO/off_rl_kl: precomputed in `batch.ref_logprobs`
@@ -313,7 +320,9 @@ class DataConfig(Section):
     # a built-in task (docs/tasks.md) or an import path package.module:factory
     # (docs/custom_tasks.md)
     task: str = "arithmetic"
-    task_path: str | None = None  # the task's data file (JSONL/Parquet, or hf://org/name:config)
+    # the task's data file (JSONL/Parquet, or hf://org/name:config); a local path is made
+    # absolute against the current directory when the config loads, like every other path
+    task_path: RunPath | None = None
     records: RunPath | None = None  # record directory generate writes and score/curate/train read
     # uniform, target, Np (e.g. 10p), positives, anna_karenina, drop_uniform_groups, hard or dpo
     # (TOPR §4.3)
@@ -370,8 +379,9 @@ class EvalConfig(Section):
     maj_k: list[int] = Field(default_factory=lambda: [1, 4])  # K values of maj@K
     bootstrap_trials: int = Field(100, gt=0)  # bootstrap resamples of maj@K's error bar
     split: str = "test"  # task split evaluated
-    task_path: str | None = Field(None, description="the evaluation questions' file (default: "
-                                  "data.task_path; a local file holds one split)")
+    task_path: RunPath | None = Field(
+        None, description="the evaluation questions' file (default: data.task_path; a local "
+        "file holds one split; made absolute against the current directory)")
     # Sampling for evaluation; None = the generate section's value (FPA arXiv:2509.19893 evaluates at T=0.7).
     temperature: float | None = Field(None, ge=0)
     # longest completion; null = generate.max_new_tokens

@@ -110,18 +110,35 @@ def section_fields(schema: type[BaseModel], loc: Sequence[Any]) -> dict[str, Any
     return dict(model.model_fields)
 
 
+def _all_keys(schema: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every key of `schema` as a path, sections included (e.g. ("optim", "learning_rate"))."""
+    fields = section_fields(schema, prefix)
+    keys: list[tuple[str, ...]] = []
+    for name in fields or {}:
+        keys.append((*prefix, name))
+        if section_fields(schema, (*prefix, name)) is not None:
+            keys += _all_keys(schema, (*prefix, name))
+    return keys
+
+
 def _did_you_mean(schema: type[BaseModel], loc: Sequence[Any]) -> str:
-    """"; did you mean 'train.steps'?" for a key one typo away from a key of its section."""
+    """"; did you mean 'train.steps'?" for a key one typo away from a key of its section, or
+    whose name (or a near miss of it) is a key of another section ('train.learning_rate' ->
+    'optim.learning_rate': TRL keeps everything in one section)."""
     import difflib
 
-    fields = section_fields(schema, loc[:-1])
-    if not fields:
+    section, leaf = tuple(str(p) for p in loc[:-1]), str(loc[-1])
+    fields = section_fields(schema, section)
+    if fields is None:
         return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(fields), n=3, cutoff=0.6)
-    prefix = "".join(f"{part}." for part in loc[:-1])
+    close = [(*section, c) for c in difflib.get_close_matches(leaf, list(fields), n=3, cutoff=0.6)]
+    elsewhere = [k for k in _all_keys(schema) if k[:-1] != section]
+    close += [k for k in elsewhere if k[-1] == leaf]  # the same name in another section
+    near = difflib.get_close_matches(leaf, sorted({k[-1] for k in elsewhere}), n=3, cutoff=0.8)
+    close += [k for k in elsewhere if k[-1] in near and k[-1] != leaf]
     if not close:
-        return f"; {_dotted(loc[:-1]) or 'the top level'} has: {', '.join(fields)}"
-    return "; did you mean " + " or ".join(repr(prefix + c) for c in close) + "?"
+        return f"; {_dotted(section) or 'the top level'} has: {', '.join(fields)}"
+    return "; did you mean " + " or ".join(repr(_dotted(k)) for k in close[:4]) + "?"
 
 
 def read_tree(path: str | Path) -> dict[str, Any]:

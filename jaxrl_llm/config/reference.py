@@ -55,6 +55,8 @@ def source_comments(cls: type) -> dict[str, str]:
 
 def _type_name(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # paths.RunPath: a str made absolute when loaded
+        return "path"
     if origin is typing.Literal:
         return " \\| ".join(f"`{a!r}`" if isinstance(a, str) else f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):

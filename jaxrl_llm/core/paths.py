@@ -54,12 +54,13 @@ def as_path(path: PathLike) -> epath.Path:
     return epath.Path(absolute(path))
 
 
-# A config field holding a run or output directory (resolved when the config is validated).
+# A config field holding a path: a run or output directory, or an input file such as
+# data.task_path (resolved when the config is validated, against the current directory).
 RunPath = Annotated[str, AfterValidator(absolute)]
 
 # Every run/output path of an `ExperimentConfig`, as dotted keys.
 RUN_PATH_KEYS = ("run_dir", "data.records", "data.curated", "generate.output",
-                 "generate.score_output")
+                 "generate.score_output", "data.task_path", "eval.task_path")
 
 
 def resolve_paths(config: Any) -> Any:

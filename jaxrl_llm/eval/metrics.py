@@ -156,15 +156,19 @@ class BootstrapResult:
 
     k: int
     mean: float
-    se: float | None  # None when K = n: every trial draws the same samples, V̂ says nothing
+    # the reported SE: the bootstrap's sqrt(K V̂ / (n − K)) for K < n; at K = n every trial
+    # draws the same samples (V̂ = 0 says nothing), so the SE over questions instead
+    se: float
     variance: float
     trials: int
+    se_questions: float  # SE over questions of the per-question maj@K accuracy (ddof=1)
+    se_method: str  # "bootstrap" or "questions": which one `se` is
 
-    def as_dict(self) -> dict[str, float | int | None]:
+    def as_dict(self) -> dict[str, float | int | str]:
         return {
-            "k": self.k, "mean": self.mean, "se": self.se, "error_bar": (
-                None if self.se is None else 2.0 * self.se
-            ), "variance": self.variance, "trials": self.trials,
+            "k": self.k, "mean": self.mean, "se": self.se, "error_bar": 2.0 * self.se,
+            "se_method": self.se_method, "se_questions": self.se_questions,
+            "variance": self.variance, "trials": self.trials,
         }
 
 
@@ -181,7 +185,9 @@ def vote_at_k_bootstrap(
     Each trial draws, per question, K of the n samples without replacement, votes (weighted by
     `weights` [Q, n] when given — weighted self-consistency, TOPR §4.4), scores the winner, and
     averages over questions. `V̂` is the variance of the trial means (ddof=1) and
-    SE = sqrt(K V̂ / (n − K)); the paper's error bars are 2 SE.
+    SE = sqrt(K V̂ / (n − K)); the paper's error bars are 2 SE. At K = n that formula is
+    undefined (every trial is the same vote): the SE is then the one over questions,
+    std(per-question maj@n hit, ddof=1) / sqrt(Q) (`se_method` says which).
     """
     n = samples.n
     if not 1 <= k <= n:
@@ -207,8 +213,12 @@ def vote_at_k_bootstrap(
         hits[:, start:stop] = _winner_correct(ids, samples.correct[rows, cols], vote(ids, w))
     scores = hits.mean(axis=1)  # [trials]
     variance = float(scores.var(ddof=1))
-    se = None if k == n else float(np.sqrt(k * variance / (n - k)))
-    return BootstrapResult(k=k, mean=float(scores.mean()), se=se, variance=variance, trials=trials)
+    per_question = hits.mean(axis=0)  # [Q]: each question's maj@K accuracy over the trials
+    se_questions = float(per_question.std(ddof=1) / np.sqrt(q)) if q > 1 else 0.0
+    se, method = ((se_questions, "questions") if k == n
+                  else (float(np.sqrt(k * variance / (n - k))), "bootstrap"))
+    return BootstrapResult(k=k, mean=float(scores.mean()), se=se, variance=variance,
+                           trials=trials, se_questions=se_questions, se_method=method)
 
 
 def vote_accuracy(samples: EvalSamples, weights: np.ndarray | None = None) -> float:

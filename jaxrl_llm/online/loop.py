@@ -203,7 +203,8 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     total_rounds = o.rounds + math.ceil(o.staleness / o.updates_per_round)
     run = _Run(o.staleness)
     checkpointer = Checkpointer(as_path(config.run_dir) / CHECKPOINT_DIR, save_every=o.checkpoint_every,
-                                keep=config.train.keep_checkpoints, async_save=False)
+                                keep=config.train.keep_checkpoints, async_save=False,
+                                params_dtype=config.train.checkpoint_dtype)
     if checkpointer.latest_step() is not None:
         _restore(policy, checkpointer, run)
     lead = jax.process_index() == 0

@@ -8,6 +8,14 @@ One checkpoint step directory holds three items, saved together by one `Checkpoi
   consumes exactly the records the uninterrupted run would have;
 - `meta`: JSON with the step, the resolved config and anything else the caller adds.
 
+What it costs (docs/plan.md, "Disk"): `state` is the float32 parameters, AdamW's two float32 moments
+(4 + 4 + 4 = 12 bytes a parameter), the step and the RNG key, plus a frozen reference copy of
+the parameters with `train.ref_logprobs: model`; `data` and `meta` are a few kB.
+`train.checkpoint_dtype: bfloat16` stores the parameters (and the reference) in bfloat16
+(10 bytes a parameter): a restore casts them back to the target's dtype, so a resumed run
+starts from rounded weights (not bit-exact; said on stderr). `train.keep_checkpoints`
+(default 1) old steps are deleted only once the new one is committed.
+
 A step directory only counts once Orbax has committed it: a process killed mid-save leaves
 `<step>.orbax-checkpoint-tmp*`, which `latest_step()` ignores (the previous step restores).
 Restoring takes an abstract target (`jax.ShapeDtypeStruct`s with shardings), so a checkpoint
@@ -28,6 +36,9 @@ from etils import epath
 from jaxrl_llm.core.paths import PathLike, as_path
 
 STATE, DATA, META = "state", "data", "meta"
+# The state items `params_dtype` applies to: the policy's weights and the frozen reference.
+PARAM_ITEMS = ("params", "ref_params")
+PARAMS_DTYPE = "params_dtype"  # meta key: the dtype the parameters were stored in
 
 # Orbax splits a replicated array's write across its replicas, compiling one slice program
 # per device and shape on the first save: worth it for large arrays only.
@@ -36,16 +47,24 @@ _handler_registered = False
 
 
 def _register_array_handler() -> None:
+    """Replace Orbax's default jax.Array handler by one with our replica-parallel threshold,
+    once per process. The replacement is deliberate, so it goes through the registry's
+    `add(..., ignore_warnings=True)`: `register_type_handler(override=True)` logs an absl
+    "Type handler registry ... overriding jax.Array" warning on every checkpointing command."""
     global _handler_registered
-    if not _handler_registered:
-        ocp.type_handlers.register_type_handler(
-            jax.Array,
-            ocp.type_handlers.ArrayHandler(
-                min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES
-            ),
-            override=True,
+    if _handler_registered:
+        return
+    handler = ocp.type_handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES)
+    try:
+        from orbax.checkpoint._src.serialization.type_handler_registry import (
+            GLOBAL_TYPE_HANDLER_REGISTRY,
         )
-        _handler_registered = True
+    except ImportError:  # another Orbax layout: the public call (it logs the warning)
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    else:
+        GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, handler, override=True, ignore_warnings=True)
+    _handler_registered = True
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,30 @@ def _data_args(iterator: Any, *, save: bool) -> Any:
     return cls(iterator)
 
 
+def stored_params(state: Any, dtype: str) -> Any:
+    """`state` (a mapping of state items) with the float32 leaves of `PARAM_ITEMS` cast to
+    `dtype` ("bfloat16": half their bytes on disk; "float32": unchanged)."""
+    if dtype == "float32" or not isinstance(state, Mapping):
+        return state
+    import jax.numpy as jnp
+
+    def cast(x: Any) -> Any:
+        return x.astype(jnp.bfloat16) if getattr(x, "dtype", None) == jnp.float32 else x
+
+    return {k: jax.tree.map(cast, v) if k in PARAM_ITEMS else v for k, v in state.items()}
+
+
+def warn_if_rounded(meta: Mapping[str, Any], what: str) -> None:
+    """Say on stderr that `what` continues from bfloat16-rounded parameters (a
+    `train.checkpoint_dtype: bfloat16` checkpoint): not the bit-exact continuation of the run."""
+    if meta.get(PARAMS_DTYPE, "float32") != "float32":
+        import sys
+
+        print(f"warning: {what} from a checkpoint whose parameters were stored in "
+              f"{meta[PARAMS_DTYPE]} (train.checkpoint_dtype): they are cast back to float32, so "
+              "the run is not bit-exact with an uninterrupted one", file=sys.stderr)
+
+
 class Checkpointer:
     """Saves every `save_every` steps (and when forced), keeps the last `keep` checkpoints.
 
@@ -91,12 +134,16 @@ class Checkpointer:
         save_every: int = 100,
         keep: int = 3,
         async_save: bool = True,
+        params_dtype: str = "float32",
     ) -> None:
         if save_every <= 0 or keep <= 0:
             raise ValueError(f"save_every={save_every} and keep={keep} must be positive")
+        if params_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"params_dtype must be float32 or bfloat16; got {params_dtype!r}")
         _register_array_handler()
         self.directory = as_path(directory)
         self.save_every = save_every
+        self.params_dtype = params_dtype
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -133,10 +180,13 @@ class Checkpointer:
             return False
         if step in self.manager.all_steps():
             return False
+        state = stored_params(state, self.params_dtype)
         items: dict[str, Any] = {STATE: ocp.args.StandardSave(state)}
         if data_iterator is not None:
             items[DATA] = _data_args(data_iterator, save=True)
         meta_dict = {"step": int(step), **dict(meta or {})}
+        if self.params_dtype != "float32":  # said only when rounded (warn_if_rounded reads it)
+            meta_dict[PARAMS_DTYPE] = self.params_dtype
         json.dumps(meta_dict)  # fail here, naming nothing half-written, if meta is not JSON
         items[META] = ocp.args.JsonSave(meta_dict)
         return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))

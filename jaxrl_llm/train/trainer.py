@@ -151,6 +151,7 @@ class Trainer:
             self.checkpoint_dir,
             save_every=config.train.checkpoint_every,
             keep=config.train.keep_checkpoints,
+            params_dtype=config.train.checkpoint_dtype,
         )
 
     # -- state -----------------------------------------------------------------------------
@@ -159,7 +160,7 @@ class Trainer:
         """(state, loop step): restored from the latest checkpoint when there is one; else,
         with `init_from`, that run's final train state (parameters, optimizer state and step,
         RNG; not its data position) at loop step 0, so the optimizer continues (`iterate`)."""
-        from jaxrl_llm.train.checkpoint import abstract_like
+        from jaxrl_llm.train.checkpoint import abstract_like, warn_if_rounded
         from jaxrl_llm.train.state import abstract_train_state, create_train_state
 
         latest = self.checkpointer.latest_step()
@@ -178,6 +179,7 @@ class Trainer:
         restored = self.checkpointer.restore(
             abstract_like(items, shardings), step=latest, data_iterator=self.loader
         )
+        warn_if_rounded(restored.meta, f"resuming {self.run_dir} at step {latest}")
         return with_items(template, restored.state), int(restored.meta["step"])
 
     def _meta(self, step: int, state: Any) -> dict[str, Any]:
@@ -344,7 +346,7 @@ class Trainer:
 # Config keys the train step never reads: runs differing only in these share one compiled step.
 _STEP_IRRELEVANT: dict[str, Any] = {
     "name": True, "run_dir": True, "data": True, "eval": True, "plan": True,
-    "train": {"log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
+    "train": {"log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_dtype", "eval_every",
               "max_nonfinite_steps", "record_trace", "check_memory"},
 }
 _STEP_CACHE: dict[Any, Any] = {}
@@ -383,7 +385,7 @@ def continue_state(template: Any, checkpoints: PathLike, keep_ref: bool) -> Any:
     """`template` with the latest train state saved in `checkpoints` (a run's checkpoint
     directory): parameters, optimizer state and step, RNG. `keep_ref`: the template's
     reference policy stays (it is the model this run was given)."""
-    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like
+    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, warn_if_rounded
 
     items = state_items(template)
     source = Checkpointer(checkpoints, async_save=False)
@@ -392,7 +394,9 @@ def continue_state(template: Any, checkpoints: PathLike, keep_ref: bool) -> Any:
             raise FileNotFoundError(f"init_from={checkpoints}: no complete checkpoint to "
                                     f"continue from (train that run first)")
         target = abstract_like(items, {k: _shardings(v) for k, v in items.items()})
-        restored = dict(source.restore(target).state)
+        found = source.restore(target)
+        warn_if_rounded(found.meta, f"continuing from {checkpoints}")
+        restored = dict(found.state)
     finally:
         source.close()
     if keep_ref and "ref_params" in items:

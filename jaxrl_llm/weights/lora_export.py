@@ -22,6 +22,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from jaxrl_llm.core.atomic import atomic_file, atomic_write_text
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.models.lora import ADAPTER_SUFFIX, LORA_TARGETS, delta_weight, has_adapters
 from jaxrl_llm.weights.hf_layout import tensor_rules
@@ -130,9 +131,12 @@ def save_peft_adapter(model: Decoder, out_dir: str | Path, *, base_model: str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(peft_tensors(model, dtype))
-    safetensors.numpy.save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    # safetensors creates its file 0600; atomic_file gives it the usual mode (0644 under
+    # umask 022) like every other output, and renames it in whole
+    with atomic_file(out / ADAPTER_WEIGHTS) as tmp:
+        safetensors.numpy.save_file(tensors, str(tmp), metadata={"format": "pt"})
     config = adapter_config(model, base_model)
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    atomic_write_text(out / ADAPTER_CONFIG, json.dumps(config, indent=2))
     return out
 
 

@@ -50,7 +50,9 @@ def test_evaluate_hf_dir_writes_consistent_eval_json(tmp_path, capsys):
     assert summary["proportions"]["invalid"] == invalid.mean()
     assert sum(summary["cardinality"]) == 3
     assert set(summary["maj_at_k"]) == {"1", "2", "4"}
-    assert summary["maj_at_k"]["4"]["se"] is None
+    # maj@n: the SE over the 3 questions of the majority-correct indicator, a number
+    majority = summary["maj_at_k"]["4"]
+    assert majority["se_method"] == "questions" and majority["se"] >= 0.0
     assert all(len(row["completions"]) == 4 for row in rows)
     # The (random) verifier's verdicts weight the vote; unparsable ones count as no vote.
     assert set(summary["weighted_sc"]) == {"at_n", "1", "2", "4"}

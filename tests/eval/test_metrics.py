@@ -95,13 +95,30 @@ def test_maj_at_k_bootstrap_mean_matches_exact_expectation(k):
     assert result.as_dict()["error_bar"] == pytest.approx(2 * result.se)
 
 
-def test_maj_at_n_is_deterministic_and_has_no_se():
+def test_maj_at_n_is_deterministic_and_its_se_is_over_questions():
     answers, correct = random_questions(10, 4)
     samples = m.EvalSamples.from_answers(answers, correct)
     result = m.vote_at_k_bootstrap(samples, 4, trials=10)
     assert result.mean == pytest.approx(exact_maj_at_k(answers, correct, 4))
-    assert result.variance == pytest.approx(0.0, abs=1e-20) and result.se is None
+    assert result.variance == pytest.approx(0.0, abs=1e-20)  # the bootstrap says nothing here
     assert m.vote_accuracy(samples) == pytest.approx(result.mean)
+    assert result.se_method == "questions" and result.se == result.se_questions
+
+
+def test_maj_at_n_se_by_hand():
+    # The majorities: "1" (right), "6" (wrong), "4" (right): hits 1, 0, 1, mean 2/3.
+    # Deviations 1/3, -2/3, 1/3: sample variance (1/9 + 4/9 + 1/9) / 2 = 1/3, so the SE over
+    # the 3 questions is sqrt(1/3) / sqrt(3) = 1/3, and the error bar 2/3.
+    samples = m.EvalSamples.from_answers(
+        [["1", "1", "2"], ["5", "6", "6"], ["3", "4", "4"]],
+        [[True, True, False], [False, False, False], [False, True, True]])
+    got = m.vote_at_k_bootstrap(samples, 3, trials=5).as_dict()
+    assert got["mean"] == pytest.approx(2 / 3)
+    assert got["se"] == pytest.approx(1 / 3) and got["error_bar"] == pytest.approx(2 / 3)
+    assert got["se_method"] == "questions"
+    summary = m.evaluation_summary(samples, maj_k=(1, 3), trials=5)
+    assert summary["maj_at_k"]["3"]["se"] == pytest.approx(1 / 3)  # a number in eval.json
+    assert summary["maj_at_k"]["1"]["se_method"] == "bootstrap"
 
 
 def test_invalid_answers_never_win():

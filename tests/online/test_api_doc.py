@@ -29,6 +29,8 @@ CHECK = textwrap.dedent("""
     assert all(jax.tree.leaves(same)), "reopened checkpoint differs from the trained weights"
     assert max(jax.tree.leaves(moved)) > 0, "three updates left every weight unchanged"
     assert reopened.updates == 3
+    import os  # save() returns the step directory it wrote, as docs/api.md shows
+    assert checkpoint == os.path.join(os.getcwd(), "runs", "my_loop", "checkpoints", "3"), checkpoint
     print("CHECKED")
 """)
 

@@ -247,6 +247,13 @@ def test_train_and_export_through_the_cli_with_lora(tmp_path, monkeypatch):
     adapter = safetensors.numpy.load_file(out / "adapter" / "adapter_model.safetensors")
     assert len(adapter) == 2 * 4 * 2  # (A, B) × 4 targets × 2 layers
     assert all(np.abs(v).max() > 0 for k, v in adapter.items() if "lora_B" in k)  # trained
+    # every file readable by others like any output (safetensors alone makes it 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.relative_to(out).as_posix(): oct(p.stat().st_mode & 0o777)
+             for p in out.rglob("*") if p.is_file()}
+    assert modes["adapter/adapter_model.safetensors"] == oct(0o666 & ~umask), modes
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
     monkeypatch.chdir(tmp_path)  # the run's config names model.path relative to it
     restored = restore_model("runs/lora").model

@@ -51,7 +51,7 @@ def test_step_n_plus_1_is_dispatched_before_step_n_metrics_are_read(
     assert events == want + [("read", 5)]
     # Metadata: once for the logger's run config, then only on the saves (step 4, final 5).
     assert metas == [0, 4, 5]
-    assert trainer.checkpointer.all_steps() == [4, 5]
+    assert trainer.checkpointer.all_steps() == [5]  # train.keep_checkpoints: 1 by default
     # Rows still carry each step's own metrics at that step (log_every 2, plus the last).
     rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4, 5]
