@@ -112,3 +112,27 @@ def test_the_commands_exception_and_exit_code_come_back(tmp_path):
     assert _run("return 7", tmp_path).returncode == 7
     proc = _run("raise ValueError('bad input')", tmp_path)
     assert proc.returncode == 1 and "ValueError: bad input" in proc.stderr
+
+
+def test_a_ctrl_c_whose_check_does_not_come_within_the_grace_exits_at_once(tmp_path):
+    """A stage with a grace (generate, evaluate) stuck where no check comes (XLA compiling)
+    exits 130 once the grace is over, instead of waiting for the compile; without a grace the
+    same Ctrl-C waits for the check."""
+    stuck = """
+        with stop_point("the test segment", grace_s=0.5) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(600)  # no check comes: the process timeout fails the test if it waits
+            stop.check("test")
+        return 0
+    """
+    proc = _run(stuck, tmp_path)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert "stopping after the test segment (Ctrl-C again to exit at once); exiting in 0.5 s " \
+        "at the latest" in proc.stderr
+    assert "the test segment did not come within 0.5 s" in proc.stderr
+    assert "Interrupted" not in proc.stdout  # it did not get to the check
+    waits = stuck.replace(", grace_s=0.5", "").replace("time.sleep(600)", "time.sleep(1)")
+    proc = _run(waits + "", tmp_path)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert "Interrupted: test stopped by Ctrl-C (SIGINT)" in proc.stdout
+    assert "did not come within" not in proc.stderr

@@ -12,7 +12,9 @@ One mechanism for every command (`cli.main` runs each one through `supervise`):
   stop_point(what) as stop:` and `stop.check(stage)` at its safe points (`train` after a
   step, which it checkpoints; `generate` and `evaluate` after a decode segment, about 2 s;
   `score` after a batch; vLLM after a chunk). The first SIGINT/SIGTERM inside one is noted
-  ("stopping after <what>"; during a compile, the check comes once it returns), and `check`
+  ("stopping after <what>"; during a compile, the check comes once it returns, or, for the
+  stages with a grace — generate, evaluate, score —, the command exits when the grace of a few
+  seconds runs out first, so that no Ctrl-C waits for XLA), and `check`
   raises `Interrupted`, which `cli.main` turns into exit 128 + the signal number (130 for
   Ctrl-C, 143 for SIGTERM); re-running the command resumes. The signal stays noted until the
   command ends, so a later stage's first `check` stops it too.
@@ -36,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +50,7 @@ POLL_S = 0.1  # how long the main thread waits between looks (a signal delivered
 
 _points: list[StopPoint] = []  # active stop points, innermost last
 _noted: list[int] = []  # the signal a stop point took (at most one until the command ends)
+_noted_at: list[float] = []  # when it came (time.monotonic), for a stop point's grace
 _supervised = threading.Event()  # `supervise` runs a command now (its handlers are installed)
 
 
@@ -99,8 +103,23 @@ def _handle(signum: int, frame: Any) -> None:
                   "far is whole, none is partial (outputs are written atomically)",
                   by_signal=signum == signal.SIGTERM)
     _noted.append(signum)
+    _noted_at[:] = [time.monotonic()]
+    later = (f"; exiting in {point.grace_s:g} s at the latest" if point.grace_s is not None
+             and signum == signal.SIGINT else "")
     os.write(2, f"\n{signal_name(signum)}: stopping after {point.what} "
-                f"(Ctrl-C again to exit at once)\n".encode())
+                f"(Ctrl-C again to exit at once){later}\n".encode())
+
+
+def _overdue() -> None:
+    """A Ctrl-C whose stop point has a grace and has not stopped within it (XLA compiling, or
+    a long program) exits now: only what the stage had not finished is dropped, as with a kill."""
+    point = _points[-1] if _points else None
+    if (point is None or point.grace_s is None or _noted[-1:] != [signal.SIGINT]
+            or time.monotonic() - _noted_at[0] < point.grace_s):
+        return
+    _exit_now(EXIT_SIGINT, f"jaxrl-llm: {point.what} did not come within {point.grace_s:g} s (XLA "
+              "compiling, or a long program running): exiting now; every output written so far "
+              "is whole, none is partial (re-run the command to resume)")
 
 
 @contextlib.contextmanager
@@ -135,9 +154,11 @@ def supervise(command: Callable[[], int]) -> int:
             worker.start()
             while worker.is_alive():
                 worker.join(POLL_S)  # returns to the interpreter, which runs a pending handler
+                _overdue()
         finally:
             _supervised.clear()
             _noted.clear()
+            _noted_at.clear()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["code"]
@@ -147,9 +168,10 @@ class StopPoint:
     """An active stop point (`stop_point`): `check(stage)` raises `Interrupted` once a signal
     it takes came."""
 
-    def __init__(self, what: str, signals: tuple[int, ...]) -> None:
+    def __init__(self, what: str, signals: tuple[int, ...], grace_s: float | None = None) -> None:
         self.what = what
         self.signals = signals
+        self.grace_s = grace_s
         self._after: list[int] | None = None  # what `signum` says once the point has ended
 
     @property
@@ -169,10 +191,14 @@ class StopPoint:
 
 
 @contextlib.contextmanager
-def stop_point(what: str, signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[StopPoint]:
+def stop_point(what: str, signals: tuple[int, ...] = STOP_SIGNALS, *,
+               grace_s: float | None = None) -> Iterator[StopPoint]:
     """While active, the first of `signals` is noted and the stage stops at its next `check`
-    ("stopping after `what`"); other signals, and a second Ctrl-C, still exit at once."""
-    point = StopPoint(what, signals)
+    ("stopping after `what`"); other signals, and a second Ctrl-C, still exit at once.
+    `grace_s`: under `supervise`, a Ctrl-C whose `check` has not come within that many seconds
+    exits at once (for stages whose checks come every few seconds once compiled, so that a
+    Ctrl-C during a compile does not wait for it; `train` has none: it saves at its step)."""
+    point = StopPoint(what, signals, grace_s)
     own = (not _supervised.is_set() and not _points and signals
            and threading.current_thread() is threading.main_thread())
     with _handlers(signals) if own else contextlib.nullcontext():

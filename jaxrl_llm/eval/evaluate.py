@@ -51,7 +51,12 @@ def sample_and_grade(
     from jaxrl_llm.core.progress import progress_bar
     from jaxrl_llm.core.signals import stop_point
     from jaxrl_llm.generate.completions import encode_prompts, format_prompts
-    from jaxrl_llm.generate.jax_backend import SEGMENT_S, SamplingProgress, sample_completions
+    from jaxrl_llm.generate.jax_backend import (
+        SEGMENT_S,
+        STOP_GRACE_S,
+        SamplingProgress,
+        sample_completions,
+    )
     from jaxrl_llm.sampling.build import build_sampler
     from jaxrl_llm.sampling.sampler import SamplingParams
 
@@ -65,7 +70,7 @@ def sample_and_grade(
                             segment_s=SEGMENT_S)
     bar = progress_bar(len(problems), desc=f"evaluate {getattr(task, 'name', '')}".strip(),
                        unit="question", enabled=progress and jax.process_index() == 0)
-    with stop_point("the current decode segment") as stop:
+    with stop_point("the current decode segment", grace_s=STOP_GRACE_S) as stop:
         status = SamplingProgress(bar, stop, "evaluate", f"no {EVAL_FILE} was written",
                                   batches=-(-len(problems) // batch_size),
                                   max_new_tokens=max_new_tokens)

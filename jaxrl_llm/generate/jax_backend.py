@@ -27,6 +27,7 @@ from jaxrl_llm.generate.completions import (
 from jaxrl_llm.tasks.base import Problem, Task
 
 SEGMENT_S = 2.0  # decode segments of about this long: a Ctrl-C or a progress line waits no longer
+STOP_GRACE_S = 5.0  # a Ctrl-C not taken at a segment by then (XLA compiling) exits at once
 
 
 class SamplingProgress:
@@ -123,7 +124,7 @@ def generate_records(
         sampling=SamplingInfo(backend="jax", temperature=temperature, top_p=top_p, top_k=top_k,
                               max_new_tokens=max_new_tokens, n=n, seed=seed),
         extra=sampler_logprob_info(backend="jax", temperature=temperature, top_k=top_k, top_p=top_p),
-    ) as writer, stop_point("the current decode segment") as stop:
+    ) as writer, stop_point("the current decode segment", grace_s=STOP_GRACE_S) as stop:
         bar = progress_bar(len(problems), desc=f"generate {task.name}", unit="prompt",
                            enabled=progress)
         starts = range(0, len(problems), chunk)

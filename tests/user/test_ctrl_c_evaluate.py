@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow  # loads SmolLM2-135M and compiles its sampler, th
 
 COMPILING = "prefill (compiling the sampler)"
 STOPPING = "stopping after the current decode segment (Ctrl-C again to exit at once)"
+# (followed by "; exiting in 5 s at the latest": a compile does not hold a Ctrl-C longer)
 DECODE_STEP = re.compile(r"evaluate arithmetic: .*batch \d+/\d+: token \d+/512")
 
 
@@ -73,8 +74,10 @@ def _stopped_at_the_next_segment(run: Evaluate, cwd: Path) -> None:
     (its stop check ran before its line), no question was counted and no batch started."""
     after = run.lines[run.lines.index(next(x for x in run.lines if STOPPING in x)):]
     assert sum(bool(DECODE_STEP.search(x)) for x in after) <= 1, run.output
-    assert "jaxrl-llm evaluate: evaluate stopped by Ctrl-C (SIGINT); no eval.json was written" \
-        in run.output
+    # at the segment's check, or, when the compile keeps the check away past the stage's
+    # grace (STOP_GRACE_S), by the supervisor: either way before the batch finished
+    assert ("jaxrl-llm evaluate: evaluate stopped by Ctrl-C (SIGINT); no eval.json was written"
+            in run.output or "the current decode segment did not come within" in run.output)
     assert not [x for x in run.lines if re.search(r"evaluate arithmetic: [1-9]\d*/100", x)], run.output
     assert "batch 2/" not in run.output
     assert "Traceback" not in run.output
