@@ -1,0 +1,98 @@
+"""The `model:` section (read by the opener and the weights loader: policy/, weights/)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+
+from jaxrl_llm.config.base import Section
+
+
+class LoraConfig(Section):
+    """LoRA adapters (models/lora.py; LoRA arXiv:2106.09685): only they are trained, the base
+    weights stay frozen, and the reference policy is the base (adapters off)."""
+
+    rank: int = Field(8, gt=0)  # r, the adapters' inner width
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
+    # PEFT / HF module names (models.lora.LORA_TARGETS); default: every linear layer.
+    targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"], min_length=1)
+
+
+class ModelConfig(Section):
+    """Which decoder to train, and its numerics (models/)."""
+
+    # where the weights come from: random init, an HF directory or Hub id, a GGUF file, or the
+    # packaged SmolLM2-135M-Instruct GGUF (docs/integrations.md)
+    source: Literal["random", "hf", "gguf", "smollm2"] = "random"
+    path: str | None = Field(None, description="HF directory or GGUF file for source hf/gguf, "
+                             "or a Hugging Face Hub id (org/name) for source hf")
+    revision: str | None = Field(None, description="hub revision (branch, tag, commit) of a hub id")
+    # random models: the decoder family (pretrained sources read theirs)
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"] = "llama"
+    # Architecture of a random-init model (ignored when loading weights, which carry their own).
+    vocab_size: int = Field(512, gt=0)  # random models: vocabulary size
+    hidden_size: int = Field(128, gt=0)  # random models: hidden width d
+    intermediate_size: int = Field(384, gt=0)  # random models: MLP width
+    num_layers: int = Field(2, gt=0)  # random models: decoder layers
+    num_heads: int = Field(4, gt=0)  # random models: query heads
+    num_kv_heads: int = Field(2, gt=0)  # random models: key/value heads (grouped-query attention)
+    # random models: per-head width; null = hidden_size / num_heads
+    head_dim: int | None = Field(None, gt=0)
+    # random models: the longest position RoPE is set up for
+    max_position_embeddings: int = Field(2048, gt=0)
+    rope_theta: float = Field(10_000.0, gt=0)  # random models: RoPE base
+    rms_norm_eps: float = Field(1e-6, gt=0)  # random models: RMSNorm epsilon
+    # Mistral: every layer; Gemma 2: the even (local) layers. None = full attention everywhere.
+    sliding_window: int | None = Field(None, gt=0)
+    tie_embeddings: bool = True  # random models: the unembedding is the embedding's transpose
+    # auto: bfloat16 on TPU/GPU (with optim.master_weights_fp32 the optimizer keeps fp32
+    # master weights; the log-prob kernel's log-softmax is fp32), float32 on CPU.
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # dtype of the activations and matmuls; auto: bfloat16 on TPU/GPU, float32 on CPU
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Default by source (`_memory_sane_defaults`): pretrained sources scan the layers and
+    # rematerialise them (full), random models neither. Measured by `plan` for SmolLM2-135M at
+    # 4×768 tokens on CPU: 13.9 GiB peak unrolled, 3.5 GiB scanned with remat=full.
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = Field(
+        "none", description="activation rematerialisation of each layer in the backward pass "
+        "(needs scan_layers); default: full for pretrained sources (hf, gguf, smollm2), none "
+        "for random")
+    scan_layers: bool = Field(
+        False, description="run the layers under one jax.lax.scan (stacked weights); default: "
+        "true for pretrained sources, false for random")
+    lora: LoraConfig | None = None  # None: full fine-tuning
+    # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU.
+    attention: Literal["auto", "jnp", "xla", "cudnn", "splash"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _memory_sane_defaults(cls, data: Any) -> Any:
+        """Unset remat / scan_layers: full + scanned for pretrained weights (a real model's
+        activations dominate memory), none + unrolled for random (tiny test) models."""
+        if isinstance(data, Mapping):
+            pretrained = data.get("source", "random") != "random"
+            data = dict(data)
+            if data.get("scan_layers") is None:
+                data["scan_layers"] = pretrained
+            if data.get("remat") is None:
+                data["remat"] = "full" if pretrained and data["scan_layers"] is True else "none"
+        return data
+
+    @model_validator(mode="after")
+    def _remat_needs_scan(self) -> ModelConfig:
+        # Unrolled, XLA schedules the recomputed layers early and keeps the activations anyway
+        # (plan, SmolLM2-135M at 4×768 on CPU: 13.4 GiB with remat=full vs 13.9 without).
+        if self.remat != "none" and not self.scan_layers:
+            raise ValueError(
+                f"model.remat={self.remat} saves no memory with model.scan_layers=false (the "
+                "compiler keeps every layer's activations when the layers are unrolled): set "
+                "model.scan_layers=true, or model.remat=none")
+        return self

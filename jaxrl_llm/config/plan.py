@@ -1,0 +1,25 @@
+"""The `plan:` section (`jaxrl-llm plan`, plan/)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    Field,
+)
+
+from jaxrl_llm.config.base import Section
+
+
+class PlanConfig(Section):
+    """`jaxrl-llm plan`: the hardware to compile the train step for (no weights, no devices).
+
+    `platform: tpu` compiles with the real TPU compiler for `topology` (needs the `tpu`
+    extra, PyPI `libtpu`); `cpu` uses `num_devices` fake host devices (`XLA_FLAGS`).
+    """
+
+    # compile for fake CPU devices or, with libtpu, real TPU chips
+    platform: Literal["cpu", "tpu"] = "cpu"
+    topology: str | None = Field(None, description="e.g. v5e:16x16 (256 chips), v5e:2x2")
+    num_devices: int | None = Field(None, gt=0, description="fake CPU devices; default: mesh")
+    chip_memory_gib: float | None = Field(None, gt=0, description="HBM per chip; v5e: 16")
