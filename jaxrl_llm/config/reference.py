@@ -22,8 +22,8 @@ _FIELD = re.compile(r"^    (\w+)\s*:")
 _CONSTRAINTS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "length ≥"}
 HEADER = """# Configuration reference
 
-Generated from the configuration schema (`jaxrl_llm/config.py`, and `iterate.py` /
-`quickstart.py` / `online/config.py` for their sections) by `jaxrl-llm config --reference > docs/configuration.md`;
+Generated from the configuration schema (`jaxrl_llm/config/`, and `flows/iterate.py` /
+`flows/quickstart.py` / `online/config.py` for their sections) by `jaxrl-llm config --reference > docs/configuration.md`;
 a test keeps this file current. Set keys in a YAML file (`--config C`) or as `section.key=value`
 overrides after any command; an unknown key or a wrong type stops the command naming the key
 and where it came from (with the nearest known keys). `jaxrl-llm config --config C` prints the

@@ -3,7 +3,7 @@
 `pathlib.Path("gs://bucket/x")` collapses the `//` into a local directory `gs:/bucket/x`;
 `epath.Path` keeps the scheme and sends reads and writes to the remote file system. Relative
 local paths are made absolute once, when a config is validated (`RunPath` fields of
-`config.py`): Orbax refuses relative checkpoint paths, and a run must not move if the working
+`config/`): Orbax refuses relative checkpoint paths, and a run must not move if the working
 directory changes later. `as_path` applies the same rule to paths given directly to the API.
 """
 

@@ -1,6 +1,6 @@
 """Where an `iterate` run keeps each iteration, and when an iteration's stage is complete.
 
-Both sides of an iterate run read this: the trainer (`iterate.py`) and the vLLM host
+Both sides of an iterate run read this: the trainer (`flows/iterate.py`) and the vLLM host
 (`generate/vllm_host.py`), which may run on another machine and share only the run
 directory (a local path, NFS or `gs://`). Iteration i (1-based) samples from π_{i−1}:
 
