@@ -171,6 +171,7 @@ def with_architecture(config: Any) -> str:
     model = getattr(config, "model", None)
     if model is None or model.source == "random":
         return dump_config(config)
+    # here, not at the top: only a pretrained model needs it (and JAX)
     from jaxrl_llm.weights.loading import architecture_of
 
     try:
