@@ -26,8 +26,31 @@ import numpy as np
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig, config_from_dict, load_config
 from jaxrl_llm.core.paths import as_path
+from jaxrl_llm.data.collate import collate, record_row
+from jaxrl_llm.data.curation import apply_transform
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.eval.evaluate import evaluate_model
+from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
+from jaxrl_llm.losses.logprobs import token_logprobs
+from jaxrl_llm.parallel.distributed import global_batch, global_batch_from_whole, host_array
+from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.policy.export import atomic_save
 from jaxrl_llm.policy.opener import OpenedModel, open_model
+from jaxrl_llm.sampling.build import build_sampler
+from jaxrl_llm.sampling.sampler import SamplingParams
+from jaxrl_llm.tasks import task_from_config
+from jaxrl_llm.train.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpointer,
+    abstract_like,
+    locate,
+    warn_if_rounded,
+)
+from jaxrl_llm.train.loss_fn import temperature as loss_temperature
+from jaxrl_llm.train.state import cast_to_dtypes, create_train_state
+from jaxrl_llm.train.state_items import state_items, with_items
+from jaxrl_llm.train.step import forward
+from jaxrl_llm.train.trainer import cached_train_step, fetch_metrics
 
 __all__ = ["Policy", "Samples", "load_policy", "restore_state", "transform_rewards"]
 
@@ -61,9 +84,6 @@ def load_policy(source: str | None = None, *,
     directory, a Hub id, a `.gguf`, `smollm2`, a run / checkpoint directory) with the
     experiment `config` (a YAML path, a dict, an `ExperimentConfig`, or None for the
     defaults) and `overrides` (`a.b=c`). `mesh` defaults to the config's `mesh:` section."""
-    from jaxrl_llm.parallel.mesh import make_mesh
-    from jaxrl_llm.train.state import create_train_state
-
     cfg = _as_config(config, overrides)
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     opened: OpenedModel = open_model(source, cfg, mesh=mesh)
@@ -79,9 +99,6 @@ def load_policy(source: str | None = None, *,
 def restore_state(template: Any, path: str, *, step: int | None = None) -> Any:
     """`template` (a `TrainState`) with the arrays of checkpoint `path` (run, checkpoints or
     step directory; `step` default: its latest), restored onto the template's shardings."""
-    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, locate, warn_if_rounded
-    from jaxrl_llm.train.state_items import state_items, with_items
-
     directory, found = locate(path)
     items = state_items(template)
     target = abstract_like(items, {k: jax.tree.map(lambda x: x.sharding, v)
@@ -96,8 +113,6 @@ def transform_rewards(records: Sequence[Record], kind: str, *, k: int | None = N
                       ) -> list[Record]:
     """Group transforms of the rewards (`rloo`, `grpo`, `dr_grpo`, `pkpo` with `k`; groups
     are `group_id`s): new records with `reward` transformed and `raw_reward` kept."""
-    from jaxrl_llm.data.curation import apply_transform
-
     return apply_transform(list(records), kind, k=k)
 
 
@@ -107,8 +122,6 @@ class Policy:
 
     def __init__(self, config: ExperimentConfig, state: Any, tokenizer: Any, mesh: Any,
                  *, info: Mapping[str, Any] | None = None) -> None:
-        from jaxrl_llm.tasks import task_from_config
-
         self.config = config
         self.state = state
         self.tokenizer = tokenizer
@@ -138,8 +151,6 @@ class Policy:
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Prompt texts → token ids (chat template as `data.chat_template` says)."""
-        from jaxrl_llm.generate.completions import encode_prompts, format_prompts
-
         chat = self.config.data.chat_template
         return encode_prompts(self.tokenizer, format_prompts(self.tokenizer, list(prompts),
                                                              chat_template=chat),
@@ -150,9 +161,6 @@ class Policy:
                seed: int = 0) -> Samples:
         """`n` completions per prompt (texts or token ids) with the KV-cache sampler
         (`sampling/sampler.py`) on the current weights; defaults from `generate:`."""
-        from jaxrl_llm.sampling.build import build_sampler
-        from jaxrl_llm.sampling.sampler import SamplingParams
-
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
             prompts[0], str) else self.encode(prompts)  # type: ignore[arg-type]
@@ -182,8 +190,6 @@ class Policy:
                 group_offset: int = 0) -> list[Record]:
         """Sample `n` completions per problem of `self.task` and reward them with the task's
         verifier: one `Record` per completion (`group_id = group_offset + problem index`)."""
-        from jaxrl_llm.generate.completions import Completion, build_records
-
         texts = [self.task.prompt(p) for p in problems]
         ids = self.encode(texts)
         s = self.sample(ids, n=n, seed=seed)
@@ -198,9 +204,6 @@ class Policy:
     def batch(self, records: Sequence[Record], *, require_mu: bool | None = None) -> Any:
         """Records → one global `Batch` of `train.batch_size` rows × `train.max_seq_len`
         tokens (padding rows masked), sharded over the mesh's batch axes."""
-        from jaxrl_llm.data.collate import collate, record_row
-        from jaxrl_llm.parallel.distributed import global_batch, global_batch_from_whole
-
         t = self.config.train
         if len(records) > t.batch_size:
             raise ConfigError(f"{len(records)} records do not fit one batch of "
@@ -219,10 +222,6 @@ class Policy:
 
     def _score_fn(self, temperature: float) -> Any:
         if temperature not in self._score_fns:
-            from jaxrl_llm.losses.logprobs import token_logprobs
-            from jaxrl_llm.train.state import cast_to_dtypes
-            from jaxrl_llm.train.step import forward
-
             st, mesh, chunk = self.state, self.mesh, self.config.loss.logprob_chunk_size
 
             def score(params: Any, model_state: Any, batch: Any) -> jax.Array:
@@ -241,9 +240,6 @@ class Policy:
         """Per-completion token log-probs under the current weights with the train step's
         numerics (its `forward` and chunked log-prob kernel) at `temperature` (default: the
         loss's, `train.loss_fn.temperature`). At most `train.batch_size` records per call."""
-        from jaxrl_llm.parallel.distributed import host_array
-        from jaxrl_llm.train.loss_fn import temperature as loss_temperature
-
         t = loss_temperature(self.config) if temperature is None else float(temperature)
         batch = self.batch(records, require_mu=False)
         logp = host_array(self._score_fn(t)(self.state.params, self.state.model_state, batch))
@@ -257,8 +253,6 @@ class Policy:
         """One optimizer update on a batch (records or a `Batch` from `batch`) with the
         configured loss (`loss.name`, any registered loss): the same jitted, sharded
         `train_step` as `jaxrl-llm train`. Returns its metrics on the host."""
-        from jaxrl_llm.train.trainer import cached_train_step, fetch_metrics
-
         batch = records_or_batch
         if isinstance(records_or_batch, Sequence):
             batch = self.batch(records_or_batch)
@@ -271,8 +265,6 @@ class Policy:
                  seed: int | None = None) -> dict[str, Any]:
         """pass@k, pass@1 ± SE, maj@K, invalid rate of the current weights on the `eval:`
         section's questions (`eval.evaluate.evaluate_model`)."""
-        from jaxrl_llm.eval.evaluate import evaluate_model
-
         e, g = self.config.eval, self.config.generate
         problems = self.task.load(split=e.split, num=num_questions or e.num_questions,
                                   seed=self.config.seed)
@@ -289,9 +281,6 @@ class Policy:
         """An Orbax checkpoint of the whole state (params, optimizer, step, RNG) under
         `directory` (default `run_dir/checkpoints`), as `step = updates`; `export` and
         `evaluate --model` read it. Returns the step directory written (`…/checkpoints/3`)."""
-        from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
-        from jaxrl_llm.train.state_items import state_items
-
         out = directory or str(as_path(self.config.run_dir) / CHECKPOINT_DIR)
         full = {"config": self.config.model_dump(
             mode="json", include=set(ExperimentConfig.model_fields)), **dict(meta or {})}
@@ -303,7 +292,5 @@ class Policy:
     def export(self, out_dir: str, *, dtype: str | None = None, overwrite: bool = False) -> str:
         """The current policy as a Hugging Face directory (atomic, `export.atomic_save`;
         LoRA adapters merged)."""
-        from jaxrl_llm.policy.export import atomic_save
-
         return str(atomic_save(self.model, out_dir, tokenizer=self.tokenizer, dtype=dtype,
                                overwrite=overwrite))

@@ -26,6 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxrl_llm.cli import build_parser
+from jaxrl_llm.commands.config import schema_class
+from jaxrl_llm.config import load_config
+from jaxrl_llm.core.paths import absolute
+
 STAGES = ("generate", "score", "curate", "train", "export", "evaluate", "iterate", "quickstart",
           "online")
 # Where each stage runs: `generate` with vLLM needs the GPU host, the rest the training mesh.
@@ -75,15 +80,10 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
 
 
 def _norm(path: str | None) -> str | None:
-    from jaxrl_llm.core.paths import absolute
-
     return None if path is None else absolute(path).rstrip("/")
 
 
 def _load(path: Path, stage: str) -> Any:
-    from jaxrl_llm.commands.config import schema_class
-    from jaxrl_llm.config import load_config
-
     schema = {"iterate": "iterate", "quickstart": "quickstart", "online": "online"}.get(
         stage, "experiment")
     return load_config(path, schema=schema_class(schema))
@@ -93,8 +93,6 @@ def check_chain(path: str | Path) -> list[str]:
     """Problems with a config's documented chain (empty when every stage can run): commands
     that do not parse, keys a stage reads that are unset, a stage reading other than what the
     previous stage wrote."""
-    from jaxrl_llm.cli import build_parser
-
     path = Path(path)
     problems: list[str] = []
     outputs: dict[str, str | None] = {}  # stage -> directory it writes

@@ -5,6 +5,8 @@ from (`config.load_config` / `config.config_from_dict` bind the experiment schem
 from __future__ import annotations
 
 import copy
+import difflib
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,8 +95,6 @@ def validate_tree(tree: Mapping[str, Any], overrides: Sequence[str], *, source: 
 
 def section_fields(schema: type[BaseModel], loc: Sequence[Any]) -> dict[str, Any] | None:
     """The fields of the section at `loc` (e.g. ("train",)), or None when `loc` is not one."""
-    import typing
-
     model: Any = schema
     for part in loc:
         fields = getattr(model, "model_fields", None)
@@ -125,8 +125,6 @@ def _did_you_mean(schema: type[BaseModel], loc: Sequence[Any]) -> str:
     """"; did you mean 'train.steps'?" for a key one typo away from a key of its section, or
     whose name (or a near miss of it) is a key of another section ('train.learning_rate' ->
     'optim.learning_rate': TRL keeps everything in one section)."""
-    import difflib
-
     section, leaf = tuple(str(p) for p in loc[:-1]), str(loc[-1])
     fields = section_fields(schema, section)
     if fields is None:

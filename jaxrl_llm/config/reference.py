@@ -18,6 +18,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from jaxrl_llm.config.io import dump_config
+from jaxrl_llm.core.errors import ConfigError, ModelFileError
+
 _FIELD = re.compile(r"^    (\w+)\s*:")
 _CONSTRAINTS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "length ≥"}
 HEADER = """# Configuration reference
@@ -165,12 +168,10 @@ def render(schemas: Mapping[str, type[BaseModel]]) -> str:
 def with_architecture(config: Any) -> str:
     """The config's YAML, with a pretrained model's architecture as its weights have it
     (the `model:` architecture keys only build source=random models)."""
-    from jaxrl_llm.config.io import dump_config
-
     model = getattr(config, "model", None)
     if model is None or model.source == "random":
         return dump_config(config)
-    from jaxrl_llm.core.errors import ConfigError, ModelFileError
+    # here, not at the top: only a pretrained model needs it (and JAX)
     from jaxrl_llm.weights.loading import architecture_of
 
     try:

@@ -17,7 +17,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl_llm.data.pairs import make_pairs
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.data.shards import RecordSource, write_records
+from jaxrl_llm.losses import advantages, pkpo
+from jaxrl_llm.losses.advantages import effective_positive_fraction
 
 STRATEGIES = ("uniform", "target", "positives", "anna_karenina", "drop_uniform_groups", "hard", "dpo")
 
@@ -39,8 +43,6 @@ class Composition:
 
 def composition(correct: np.ndarray, group_ids: np.ndarray, invalid: np.ndarray | None = None,
                 *, baseline: float = 0.0) -> Composition:
-    from jaxrl_llm.losses.advantages import effective_positive_fraction
-
     correct = np.asarray(correct, bool)
     n = int(correct.size)
     pos = int(correct.sum())
@@ -169,8 +171,6 @@ def dpo_pairs(correct: np.ndarray, group_ids: np.ndarray, *, seed: int = 0,
               max_pairs_per_prompt: int = 16) -> np.ndarray:
     """(chosen, rejected) record indices: every correct × incorrect pair of a prompt, capped
     at 16 per prompt (docs/kernels.md § Preference losses choice; `data.pairs.make_pairs` over the whole dataset)."""
-    from jaxrl_llm.data.pairs import make_pairs
-
     return make_pairs(np.asarray(group_ids, np.int64), np.asarray(correct, bool),
                       max_pairs_per_prompt=max_pairs_per_prompt, seed=seed)
 
@@ -231,8 +231,6 @@ def _grouped(rewards: np.ndarray, group_ids: np.ndarray) -> tuple[np.ndarray, np
 def transform_rewards(rewards: Sequence[float], group_ids: Sequence[int], kind: str, *,
                       k: int | None = None, singleton_baseline: float | None = None) -> np.ndarray:
     """Group-relative rewards: RLOO (RLOO, Ahmadian et al. arXiv:2402.14740), GRPO / Dr.GRPO (FPA eq. 34), PKPO sloo_minus_one (PKPO arXiv:2505.15201 eq. 33)."""
-    from jaxrl_llm.losses import advantages, pkpo
-
     r = np.asarray(rewards, np.float32)
     g = np.asarray(group_ids)
     if kind == "none":
@@ -290,8 +288,6 @@ def curate_directory(
     fresh group id (the prompt's is kept in `metadata["prompt_group"]`): load them with
     `LoaderOptions(pairs=True)`, which fills `Batch.pair_index`.
     """
-    from jaxrl_llm.data.shards import RecordSource, write_records
-
     source = RecordSource(in_dir)
     records = list(source)
     correct = np.asarray([r.correct for r in records], bool)

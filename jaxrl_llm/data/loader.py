@@ -39,13 +39,16 @@ import threading
 from typing import Any, Literal
 
 import grain
+import jax
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset, index_shuffle
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.batch import Batch
 from jaxrl_llm.data.collate import _padding_row, collate, collate_packed, record_row
 from jaxrl_llm.data.records import RecordError
 from jaxrl_llm.data.shards import RecordSource
+from jaxrl_llm.data.stages import stage_input
 from jaxrl_llm.data.units import (
     BatchShapeError,
     check_group_batch,
@@ -345,11 +348,6 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
     μ (`needs_mu`, with loss.mu_source=trainer), DPO pairs (`needs_pairs`), whole groups
     (`needs_groups`).
     """
-    import jax
-
-    from jaxrl_llm.core.errors import ConfigError
-    from jaxrl_llm.data.stages import stage_input
-
     d, t = config.data, config.train
     spec = config.loss.spec
     directory = stage_input(config, "train", directory)

@@ -22,6 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.data.shards import RecordSource
+from jaxrl_llm.losses.registry import loss_spec
+
 ALLOW_KEY = "train.allow_no_signal"
 
 
@@ -104,8 +108,6 @@ def how_to_get_positives() -> str:
 def read_signal(directory: str, *, rule: str | None, baseline: float,
                 chunk: int = 4096) -> Signal:
     """`measure` over every record of `directory`."""
-    from jaxrl_llm.data.shards import RecordSource
-
     source = RecordSource(directory)
     rewards, correct, groups = [], [], []
     for start in range(0, len(source), chunk):
@@ -122,9 +124,6 @@ def check_signal(config: Any, directory: str, *, refuse: bool) -> str | None:
     positive record / no group with unequal rewards at all (None: nothing to say). With
     `refuse` and no signal for the loss, a `ConfigError` naming `train.allow_no_signal`
     instead, unless the config sets it."""
-    from jaxrl_llm.core.errors import ConfigError
-    from jaxrl_llm.losses.registry import loss_spec
-
     loss, baseline = config.loss.name, float(config.loss.baseline)
     signal = read_signal(directory, rule=loss_spec(loss).positive, baseline=baseline)
     if signal.num_records == 0:

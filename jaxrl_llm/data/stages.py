@@ -19,6 +19,7 @@ from typing import Any
 
 from etils import epath
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.shards import MANIFEST_NAME, RecordSource, read_manifest
 
 STAGES = ("score", "curate", "train")
@@ -44,8 +45,6 @@ def choose_input(stage: str, *, records: str | None, scored: str | None,
 
     Raises `ConfigError` naming the key to set when the stage has nothing to read.
     """
-    from jaxrl_llm.core.errors import ConfigError
-
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
     if stage == "train" and curated is not None:
@@ -76,8 +75,6 @@ def stage_input(config: Any, stage: str, override: str | epath.PathLike | None =
 def stage_output(config: Any, stage: str, override: str | epath.PathLike | None = None) -> str:
     """The directory `stage` ("generate", "score" or "curate") writes; `override` (`--out`)
     wins."""
-    from jaxrl_llm.core.errors import ConfigError
-
     if override is not None:
         return str(override)
     if stage == "generate":
@@ -118,8 +115,6 @@ def has_mu(directory: str | epath.PathLike) -> bool:
 
 def check_mu(config: Any, directory: str | epath.PathLike) -> None:
     """Refuse, before training starts, records without μ for a loss that reads μ."""
-    from jaxrl_llm.core.errors import ConfigError
-
     if not (config.loss.spec.needs_mu and config.loss.mu_source == "trainer"):
         return
     if not has_mu(directory):

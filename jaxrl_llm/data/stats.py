@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.data.shards import RecordSource
+
 
 def dataset_stats(directory: str) -> dict[str, Any]:
     """Composition, lengths, rewards, per-group correct counts (TOPR arXiv:2503.14286 Fig. 3/4 quantities)."""
-    from jaxrl_llm.data.shards import RecordSource
-
     source = RecordSource(directory)
     rewards, correct, invalid, groups, has_mu = [], [], [], [], []
     for r in source:

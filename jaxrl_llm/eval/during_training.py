@@ -13,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.eval.evaluate import evaluate_model
+from jaxrl_llm.tasks import task_from_config
+
 
 def eval_task(config: Any) -> Any:
     """The task evaluation reads: `data.task`, with `eval.task_path` instead of
     `data.task_path` when set (a local file holds one split: give the test file here)."""
-    from jaxrl_llm.tasks import task_from_config
-
     if config.eval.task_path is None:
         return task_from_config(config)
     data = config.data.model_copy(update={"task_path": config.eval.task_path})
@@ -27,14 +29,10 @@ def eval_task(config: Any) -> Any:
 
 def make_eval_hook(config: Any, tokenizer: Any) -> Callable[[int, Any], Mapping[str, float]]:
     """`(step, train state) -> metrics`: the evaluation above of the state's policy."""
-    from jaxrl_llm.eval.evaluate import evaluate_model
-
     e, g = config.eval, config.generate
     task = eval_task(config)
     problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
     if not problems:
-        from jaxrl_llm.core.errors import ConfigError
-
         raise ConfigError(f"train.eval_every: eval.split={e.split!r} of data.task={config.data.task!r} "
                           "has no questions")
 

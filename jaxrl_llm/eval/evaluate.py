@@ -12,13 +12,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
 from jaxrl_llm.core.atomic import atomic_open, atomic_write_text
 from jaxrl_llm.core.paths import PathLike, as_path
+from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.core.signals import stop_point
 from jaxrl_llm.eval.metrics import EvalSamples, evaluation_summary
-from jaxrl_llm.tasks.base import reward_error_metrics
+from jaxrl_llm.generate.completions import encode_prompts, format_prompts
+from jaxrl_llm.generate.jax_backend import (
+    SEGMENT_S,
+    STOP_GRACE_S,
+    SamplingProgress,
+    sample_completions,
+)
+from jaxrl_llm.sampling.build import build_sampler
+from jaxrl_llm.sampling.sampler import SamplingParams
+from jaxrl_llm.tasks.base import Problem, reward_error_metrics
+from jaxrl_llm.tasks.verify import VerifyTask, parse_verdict
 
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "samples.jsonl"
@@ -46,20 +59,6 @@ def sample_and_grade(
     """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
     counts the questions and shows the decode step within a batch (`jaxrl_llm/core/progress.py`);
     Ctrl-C or SIGTERM stops after the current decode segment, before anything is written."""
-    import jax
-
-    from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.core.signals import stop_point
-    from jaxrl_llm.generate.completions import encode_prompts, format_prompts
-    from jaxrl_llm.generate.jax_backend import (
-        SEGMENT_S,
-        STOP_GRACE_S,
-        SamplingProgress,
-        sample_completions,
-    )
-    from jaxrl_llm.sampling.build import build_sampler
-    from jaxrl_llm.sampling.sampler import SamplingParams
-
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n,
                             stop_token_ids=() if eos is None else (int(eos),))
@@ -104,15 +103,6 @@ def verify_samples(
     sampled verifications gives 1 ("The verdict is correct"), 0 ("... incorrect") or −1 (no
     parsable verdict, which counts as no vote).
     """
-    import jax
-
-    from jaxrl_llm.generate.completions import encode_prompts
-    from jaxrl_llm.generate.jax_backend import sample_completions
-    from jaxrl_llm.sampling.build import build_sampler
-    from jaxrl_llm.sampling.sampler import SamplingParams
-    from jaxrl_llm.tasks.base import Problem
-    from jaxrl_llm.tasks.verify import VerifyTask, parse_verdict
-
     verify = VerifyTask()
     prompts = [
         verify.prompt(Problem(id=f"{p.id}/{j}", question=p.question, answer="",

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxrl_llm.losses.pkpo import pass_at_k as pkpo_pass_at_k
+
 INVALID = -1  # answer id of a completion without a parsable answer
 
 
@@ -79,8 +81,6 @@ def pass_at_k_per_question(num_samples: int, num_correct: np.ndarray) -> np.ndar
     Returns [Q, n] float64 with column k−1 holding pass@k; the estimator is PKPO's
     (`losses.pkpo.pass_at_k`, host float64, overflow-free for any n).
     """
-    from jaxrl_llm.losses.pkpo import pass_at_k as pkpo_pass_at_k
-
     n = int(num_samples)
     c = np.asarray(num_correct, np.int64)[:, None]
     return np.asarray(pkpo_pass_at_k(n, c, np.arange(1, n + 1)[None, :]), np.float64)

@@ -22,13 +22,38 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 from etils import epath
 from pydantic import Field
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig, Section
 from jaxrl_llm.core.atomic import atomic_write_text
 from jaxrl_llm.core.paths import append_text, as_path
-from jaxrl_llm.data.run_layout import STAGES_FILE, StageLog, prompt_offset, sampling_seed  # noqa: F401
+from jaxrl_llm.core.signals import Interrupted, signal_name
+from jaxrl_llm.data.chunked import complete
+from jaxrl_llm.data.curation import curate_directory
+from jaxrl_llm.data.run_layout import (  # noqa: F401
+    STAGES_FILE,
+    StageLog,
+    iteration_dir,
+    policy_ready,
+    prompt_offset,
+    sampling_seed,
+)
+from jaxrl_llm.data.shards import RecordSource
+from jaxrl_llm.data.stages import choose_input, needs_score
+from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
+from jaxrl_llm.eval.metrics import SolveTracker, pass_at_k_per_question
+from jaxrl_llm.generate.jax_backend import generate_records
+from jaxrl_llm.generate.vllm_host import LocalHost, wait_for
+from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.policy.export import atomic_save
+from jaxrl_llm.policy.opener import open_checkpoint, open_model, open_tokenizer
+from jaxrl_llm.tasks import task_from_config
+from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR
+from jaxrl_llm.train.metrics_log import truncate_after
+from jaxrl_llm.train.score import score_records
+from jaxrl_llm.train.trainer import Trainer
 
 STAGES = ("generate", "score", "curate", "train", "export", "evaluate")
 
@@ -81,8 +106,6 @@ def _say(progress: bool, text: str) -> None:
 def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfig,
                   out_dir: epath.Path, *, label: str, step: int | None = None) -> dict[str, Any]:
     """Evaluate `model` on the config's eval split and write `out_dir/eval.json`."""
-    from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
-
     e, g = config.eval, config.generate
     problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
     summary, graded = evaluate_model(
@@ -104,11 +127,6 @@ def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path
     prompts just sampled, and the cumulative solve rate (fraction of the tasks seen so far
     solved at least once). Appended as one row to `run_dir/metrics.jsonl` (step = the
     global train step at the start of the iteration) and returned."""
-    import numpy as np
-
-    from jaxrl_llm.data.shards import RecordSource
-    from jaxrl_llm.eval.metrics import SolveTracker, pass_at_k_per_question
-
     run_dir = as_path(config.run_dir)
     d = config.data
     source = RecordSource(str(records))
@@ -132,7 +150,6 @@ def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path
     if n == int(n_per.max()):  # pass@k needs the same n for every prompt
         curve = pass_at_k_per_question(n, c_per).mean(axis=0)
         row.update({f"samples/pass_at_{k}": float(curve[k - 1]) for k in range(1, n + 1)})
-    from jaxrl_llm.train.metrics_log import truncate_after
 
     # A generate stage re-run after a kill replaces its row: no step is logged twice.
     truncate_after(run_dir / "metrics.jsonl", row["step"] - 1)
@@ -143,8 +160,6 @@ def record_sample_metrics(config: IterateConfig, index: int, records: epath.Path
 def previous_train_state(config: IterateConfig, index: int) -> epath.Path | None:
     """Iteration `index − 1`'s checkpoints, whose final train state (optimizer moments and
     step, RNG) iteration `index` continues; None for the first iteration (a fresh optimizer)."""
-    from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR
-
     if index <= 1:
         return None
     previous = as_path(config.run_dir) / f"iter_{index - 1}"
@@ -165,9 +180,6 @@ def wait_for_vllm_records(config: IterateConfig, index: int, records: epath.Path
                           host: Any | None, progress: bool) -> Any:
     """Iteration `index`'s records, written by the vLLM host (`generate/vllm_host.py`) from
     π_{index−1}'s export; refuses records sampled with other settings than the config's."""
-    from jaxrl_llm.data.chunked import complete
-    from jaxrl_llm.generate.vllm_host import wait_for
-
     _say(progress, f"[iter {index}] waiting for the vLLM host's records in {records}")
     wait_for(lambda: complete(records) is not None, f"iteration {index}'s records ({records})",
              poll_seconds=1.0, timeout=config.iterate.vllm_wait_timeout_s, progress=progress,
@@ -189,9 +201,6 @@ def export_initial_policy(config: IterateConfig, model: Any, tokenizer: Any,
                           progress: bool) -> None:
     """π_0 as an HF directory for vLLM (`run_layout.policy_dir(config, 0)`), unless the
     configured model already is one."""
-    from jaxrl_llm.data.run_layout import iteration_dir, policy_ready
-    from jaxrl_llm.policy.export import atomic_save
-
     if policy_ready(config, 0):
         return
     t0 = time.perf_counter()
@@ -207,12 +216,6 @@ def run_iteration(
     progress: bool = True, mesh: Any | None = None, vllm_host: Any | None = None,
 ) -> IterationResult:
     """One iteration with π_{i−1} = `model`; completed stages are skipped."""
-    from jaxrl_llm.data.curation import curate_directory
-    from jaxrl_llm.data.stages import choose_input, needs_score
-    from jaxrl_llm.generate.jax_backend import generate_records
-    from jaxrl_llm.train.score import score_records
-    from jaxrl_llm.train.trainer import Trainer
-
     g, d = config.generate, config.data
     it_dir = as_path(config.run_dir) / f"iter_{index}"
     log = StageLog(it_dir)
@@ -248,8 +251,6 @@ def run_iteration(
         t0 = time.perf_counter()
         info: dict[str, Any] = {"skipped": True}
         if needs_mu:
-            from jaxrl_llm.parallel.mesh import make_mesh
-
             # The trainer's mesh (the Trainer below builds the same one when `mesh` is None).
             info = score_records(model, str(records), str(scored), temperature=None,
                                  batch_size=g.score_batch_size,
@@ -286,8 +287,6 @@ def run_iteration(
         finally:
             trainer.close()
         if result.stopped:
-            from jaxrl_llm.core.signals import Interrupted, signal_name
-
             raise Interrupted(f"iteration {index}: training stopped by "
                               f"{signal_name(result.stop_signal)} at step {result.step}; "
                               "re-run to resume", result.stop_signal)
@@ -296,13 +295,9 @@ def run_iteration(
                            "metrics": str(result.metrics_path), "last": result.last_row,
                            "seconds": time.perf_counter() - t0})
     else:
-        from jaxrl_llm.policy.opener import open_checkpoint
-
         new_model = open_checkpoint(str(train_dir), with_tokenizer=False).model
 
     if config.iterate.export and not log.done("export"):
-        from jaxrl_llm.policy.export import atomic_save
-
         t0 = time.perf_counter()
         out = atomic_save(new_model, it_dir / "export", tokenizer=tokenizer, overwrite=True)
         log.mark("export", {"path": str(out), "seconds": time.perf_counter() - t0})
@@ -329,9 +324,6 @@ def run_iterations(
 ) -> tuple[dict[str, Any] | None, list[IterationResult]]:
     """(initial eval or None, one result per iteration). `model`/`tokenizer` default to the
     config's; a re-run continues from the last completed iteration's checkpoint."""
-    from jaxrl_llm.policy.opener import open_model, open_tokenizer
-    from jaxrl_llm.tasks import task_from_config
-
     task = task_from_config(config)
     if tokenizer is None:
         tokenizer = open_tokenizer(config)
@@ -346,9 +338,6 @@ def run_iterations(
     current = None
     host = None
     if config.generate.backend == "vllm":
-        from jaxrl_llm.data.chunked import complete
-        from jaxrl_llm.generate.vllm_host import LocalHost
-
         current = initial_model()
         export_initial_policy(config, current, tokenizer, progress)
         pending = [i for i in range(1, config.iterate.iterations + 1)
@@ -383,8 +372,6 @@ def _iterate(config: IterateConfig, run_dir: epath.Path, task: Any, tokenizer: A
         if current is None:
             previous = run_dir / f"iter_{index - 1}" / "train"
             if index > 1 and StageLog(run_dir / f"iter_{index - 1}").done("train"):
-                from jaxrl_llm.policy.opener import open_checkpoint
-
                 current = open_checkpoint(str(previous), with_tokenizer=False).model
             else:
                 current = initial_model()

@@ -28,10 +28,18 @@ from typing import Any
 from etils import epath
 from pydantic import Field
 
-from jaxrl_llm.config import Section, config_from_dict
+from jaxrl_llm.config import Section, config_from_dict, load_config
 from jaxrl_llm.core.atomic import atomic_directory, atomic_write_text
 from jaxrl_llm.core.paths import as_path
-from jaxrl_llm.flows.iterate import IterateConfig
+from jaxrl_llm.core.signals import Interrupted, signal_name
+from jaxrl_llm.data.shards import write_records
+from jaxrl_llm.eval.evaluate import evaluate_model, format_table
+from jaxrl_llm.eval.report import write_report
+from jaxrl_llm.flows.iterate import IterateConfig, StageLog, experiment_part, run_iterations
+from jaxrl_llm.generate.completions import gold_records
+from jaxrl_llm.policy.opener import open_checkpoint, open_model
+from jaxrl_llm.tasks import task_from_config
+from jaxrl_llm.train.trainer import Trainer
 
 TASK_OPTIONS = {"min_ops": 1, "max_ops": 2, "max_operand": 9}
 
@@ -96,8 +104,6 @@ class QuickstartConfig(IterateConfig):
 
 def load_quickstart_config(path: str | None, overrides: list[str]) -> QuickstartConfig:
     if path is not None:
-        from jaxrl_llm.config import load_config
-
         return load_config(path, overrides, schema=QuickstartConfig)
     return config_from_dict(QUICKSTART_DEFAULTS, overrides, source="quickstart defaults",
                             schema=QuickstartConfig)
@@ -122,13 +128,6 @@ def build_tokenizer(config: QuickstartConfig, task: Any, out_dir: epath.Path) ->
 def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir: epath.Path, *,
                    progress: bool) -> tuple[Any, dict[str, Any]]:
     """Random init → SFT on gold solutions, stopping once pass@1 ≥ the target."""
-    from jaxrl_llm.data.shards import write_records
-    from jaxrl_llm.eval.evaluate import evaluate_model
-    from jaxrl_llm.flows.iterate import StageLog, experiment_part
-    from jaxrl_llm.generate.completions import gold_records
-    from jaxrl_llm.policy.opener import open_checkpoint
-    from jaxrl_llm.train.trainer import Trainer
-
     s = config.sft
     sft_dir = run_dir / "sft"
     log = StageLog(sft_dir)
@@ -181,7 +180,6 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
     finally:
         trainer.close()
     if result.stopped and not reached:  # SIGTERM / Ctrl-C: never mark a partial SFT stage done
-        from jaxrl_llm.core.signals import Interrupted, signal_name
 
         raise Interrupted(f"SFT stopped by {signal_name(result.stop_signal)} at step "
                           f"{result.step}; re-run to resume", result.stop_signal)
@@ -210,12 +208,6 @@ def check_transformers_loads(export_dir: epath.Path) -> str:
 
 def run_quickstart(config: QuickstartConfig, *, progress: bool = True) -> dict[str, Any]:
     """The whole flow; returns the paths and the before/after numbers (also `summary.json`)."""
-    from jaxrl_llm.eval.evaluate import format_table
-    from jaxrl_llm.eval.report import write_report
-    from jaxrl_llm.flows.iterate import run_iterations
-    from jaxrl_llm.policy.opener import open_model
-    from jaxrl_llm.tasks import task_from_config
-
     t_start = time.perf_counter()
     run_dir = as_path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

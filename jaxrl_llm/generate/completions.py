@@ -8,11 +8,13 @@ records the shard writer stores.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.sampler_info import (  # noqa: F401 (re-exported: the backends' import path)
     effective_temperature,
@@ -42,8 +44,6 @@ def uses_chat_template(tokenizer: Any, chat_template: bool | None) -> bool:
     found = bool(getattr(tokenizer, "chat_template", None))
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if name not in _SAID:
-        import sys
-
         _SAID.add(name)
         print("data.chat_template is unset: " + (
             "the tokenizer has a chat template, so prompts go through it (set "
@@ -65,8 +65,6 @@ def format_prompts(tokenizer: Any, prompts: Sequence[str], *,
     if not uses_chat_template(tokenizer, chat_template):
         return [f"{p.system}\n\n{p}" if getattr(p, "system", None) else str(p) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
-        from jaxrl_llm.core.errors import ConfigError
-
         raise ConfigError(f"data.chat_template=true but tokenizer "
                           f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} "
                           "has no chat template")

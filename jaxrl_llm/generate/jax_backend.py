@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm.core.progress import progress_bar, set_status
+from jaxrl_llm.core.signals import stop_point
 from jaxrl_llm.data.shards import Manifest, SamplingInfo, ShardWriter
 from jaxrl_llm.generate.completions import (
     Completion,
@@ -24,6 +26,8 @@ from jaxrl_llm.generate.completions import (
     format_prompts,
     sampler_logprob_info,
 )
+from jaxrl_llm.sampling.build import build_sampler
+from jaxrl_llm.sampling.sampler import SamplingParams
 from jaxrl_llm.tasks.base import Problem, Task
 
 SEGMENT_S = 2.0  # decode segments of about this long: a Ctrl-C or a progress line waits no longer
@@ -47,8 +51,6 @@ class SamplingProgress:
         self.bar.update(count)
 
     def on_segment(self, _batch_in_call: int, step: int) -> None:
-        from jaxrl_llm.core.progress import set_status
-
         self.stop.check(self.stage, self.then)
         self.batch += step == 0
         where = f"batch {self.batch}/{self.batches}"
@@ -101,11 +103,6 @@ def generate_records(
     progress: bool = True,
 ) -> Manifest:
     """Sample `n` completions per problem and write scored records to `out_dir`."""
-    from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.core.signals import stop_point
-    from jaxrl_llm.sampling.build import build_sampler
-    from jaxrl_llm.sampling.sampler import SamplingParams
-
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())

@@ -32,12 +32,26 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxrl_llm.core.errors import ConfigError, ModelFileError
-from jaxrl_llm.generate.completions import Completion
+from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.core.signals import stop_point
+from jaxrl_llm.data.chunked import ChunkedRecordWriter
+from jaxrl_llm.data.shards import SamplingInfo
+from jaxrl_llm.generate.completions import (
+    Completion,
+    build_records,
+    encode_prompts,
+    format_prompts,
+    sampler_logprob_info,
+)
+from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
+from jaxrl_llm.tasks import task_from_config
+from jaxrl_llm.weights.hub import is_hub_id
 
 
 def completions_from_request_outputs(outputs: Sequence[Any], *,
@@ -91,10 +105,6 @@ def resolve_dtype(dtype: str, *, on_cpu: bool) -> str:
 def model_limits(model_dir: str) -> dict[str, Any]:
     """What vLLM needs from an HF directory, checked before the (slow) engine start: its
     config.json (architecture, context length) and safetensors weights."""
-    from pathlib import Path
-
-    from jaxrl_llm.weights.hub import is_hub_id
-
     path = Path(model_dir)
     if not path.is_dir():
         if is_hub_id(model_dir):
@@ -131,8 +141,6 @@ class VllmEngine:
     place (vLLM's `reload_weights` on every worker) instead of restarting the engine."""
 
     def __init__(self, settings: EngineSettings) -> None:
-        from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
-
         self.install = require_vllm()
         self.environment = apply_environment(self.install, kv_cache_gib=settings.kv_cache_gib,
                                              tensor_parallel_size=settings.tensor_parallel_size)
@@ -242,19 +250,6 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
     (the later iterations' prompts, when the engine is kept).
     """
     from transformers import AutoTokenizer
-
-    from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.core.signals import stop_point
-    from jaxrl_llm.data.chunked import ChunkedRecordWriter
-    from jaxrl_llm.data.shards import SamplingInfo
-    from jaxrl_llm.generate.completions import (
-        build_records,
-        encode_prompts,
-        format_prompts,
-        sampler_logprob_info,
-    )
-    from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
-    from jaxrl_llm.tasks import task_from_config
 
     g, d = config.generate, config.data
     seed = config.seed if seed is None else seed

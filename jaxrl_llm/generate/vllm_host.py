@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.core.signals import stop_point
+from jaxrl_llm.data.chunked import complete
 from jaxrl_llm.data.run_layout import (
     iteration_dir,
     policy_dir,
@@ -35,6 +37,15 @@ from jaxrl_llm.data.run_layout import (
     prompt_offset,
     sampling_seed,
 )
+from jaxrl_llm.generate.completions import encode_prompts, format_prompts
+from jaxrl_llm.generate.vllm import (
+    VllmEngine,
+    engine_settings,
+    generate_vllm_records,
+    needed_model_len,
+)
+from jaxrl_llm.generate.vllm_env import require_vllm
+from jaxrl_llm.tasks import task_from_config
 
 LOCK_NAME = "vllm_host.lock"
 LOG_NAME = "vllm_host.log"
@@ -91,18 +102,6 @@ def serve_iterations(config: Any, *, poll_seconds: float = 2.0, timeout: float |
     """Write every iteration's records of an iterate `config` with vLLM (see the module
     docstring). Returns when the last iteration's records are complete."""
     from transformers import AutoTokenizer
-
-    from jaxrl_llm.core.signals import stop_point
-    from jaxrl_llm.data.chunked import complete
-    from jaxrl_llm.generate.completions import encode_prompts, format_prompts
-    from jaxrl_llm.generate.vllm import (
-        VllmEngine,
-        engine_settings,
-        generate_vllm_records,
-        needed_model_len,
-    )
-    from jaxrl_llm.generate.vllm_env import require_vllm
-    from jaxrl_llm.tasks import task_from_config
 
     g, d, iterations = config.generate, config.data, config.iterate.iterations
     install = require_vllm()

@@ -306,7 +306,7 @@ def check_loss_inputs(name: str, **arrays: object) -> None:
     """
     import numpy as np  # here, not at the top: the table itself is read without array libraries
 
-    from jaxrl_llm.losses.types import finite_or_raise
+    from jaxrl_llm.losses.types import finite_or_raise  # here: types imports JAX
 
     missing = [k for k in loss_spec(name).inputs if arrays.get(k) is None]
     if missing:

@@ -40,11 +40,13 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.models.layers import attention_mask, dot_product_attention
+from jaxrl_llm.parallel.mesh import BATCH_AXES
 
 Array = jax.Array
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "jnp", "xla", "cudnn", "splash")
@@ -167,8 +169,6 @@ def _block(t: int, prefer: int = 512) -> int:
 
 def _splash_local(q, k, v, seg, *, scale, logit_softcap, window, interpret):
     """Splash on per-device shapes: q [B,T,Hq,D], k/v [B,T,Hkv,D]."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
     b, t, hq, d = q.shape
     precision = jax.config.jax_default_matmul_precision
     if q.dtype != jnp.float32 and precision in ("highest", "float32"):
@@ -199,8 +199,6 @@ def _splash_local(q, k, v, seg, *, scale, logit_softcap, window, interpret):
 
 
 def _splash(q, k, v, seg, *, scale, logit_softcap, window):
-    from jaxrl_llm.parallel.mesh import BATCH_AXES
-
     interpret = current_platform() != "tpu"
     local = partial(_splash_local, scale=scale, logit_softcap=logit_softcap, window=window,
                     interpret=interpret)

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
@@ -39,7 +40,6 @@ def resolve_compute_dtype(name: str, platform: str | None = None) -> str:
     GPU), float32 on CPU (where bf16 matmuls are slower than fp32)."""
     if name != "auto":
         return name
-    import jax
 
     platform = platform or jax.default_backend()
     return "float32" if platform == "cpu" else "bfloat16"

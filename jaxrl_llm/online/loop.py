@@ -32,10 +32,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.core.paths import as_path
+from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.queue import StalenessQueue
@@ -48,6 +50,9 @@ from jaxrl_llm.online.rounds import (
     sampling_seed,
     split_batches,
 )
+from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jaxrl_llm.train.metrics_log import MetricsLogger
+from jaxrl_llm.train.state_items import state_items
 
 ONLINE_META = "online"
 
@@ -165,7 +170,6 @@ def shared_rewards(records: list[Record]) -> list[Record]:
     two busy hosts, and the hosts' batches would then disagree."""
     if jax.process_count() == 1:
         return records
-    from jax.experimental import multihost_utils
 
     table = np.asarray([[r.reward, np.nan if r.raw_reward is None else r.raw_reward,
                          r.correct, r.invalid] for r in records], np.float64)
@@ -189,10 +193,6 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     round's metrics row as `eval/KEY`. Python API only (the experiments' probes)."""
     if eval_hook is not None and eval_every <= 0:
         raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
-    from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
-    from jaxrl_llm.train.metrics_log import MetricsLogger
-    from jaxrl_llm.train.state_items import state_items
 
     check_config(config)
     o, g, d = config.online, config.generate, config.data

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl_llm.parallel.rules import batch_shardings
@@ -160,8 +161,6 @@ def host_array(value: Any) -> np.ndarray:
     point); anything else, replicated arrays included, is read directly."""
     if (isinstance(value, jax.Array) and not value.is_fully_addressable
             and not value.is_fully_replicated):
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(value)
 

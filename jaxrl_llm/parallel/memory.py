@@ -26,6 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+import psutil
+from jax.experimental import multihost_utils
+
 from jaxrl_llm.core.errors import ConfigError
 
 GIB = 1024**3
@@ -76,7 +81,6 @@ def program_memory(compiled: Any, mesh: Any = None) -> ProgramMemory:
                         alias=int(mem.alias_size_in_bytes), temp=int(mem.temp_size_in_bytes))
     if mesh is None or mesh.devices.flat[0].platform != "cpu":
         return one
-    import jax
 
     return one.times(sum(d.process_index == jax.process_index() for d in mesh.devices.flat))
 
@@ -109,8 +113,6 @@ def available_memory(device: Any) -> Available:
         room = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         found = Available(room, f"free memory of {device.platform} device {device.id}", False)
     else:
-        import psutil
-
         room, where = int(psutil.virtual_memory().available), "available host memory"
         cgroup = _cgroup_room()
         if cgroup is not None and cgroup < room:
@@ -126,12 +128,8 @@ def available_memory(device: Any) -> Available:
         if limit - held < found.bytes:
             found = Available(int(limit - held), f"left of {LIMIT_ENV}={cap} ({gib(held)} "
                               "held now)", found.host)
-    import jax
 
     if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-
         # In MiB as float32: without jax_enable_x64 an int64 byte count is gathered as int32
         # and wraps (22 GiB read as -1.8 GiB refused a resume in the two-process test).
         rooms = multihost_utils.process_allgather(np.asarray([found.bytes / 2**20], np.float32))
@@ -145,7 +143,6 @@ def held_bytes(device: Any, stats: dict | None = None) -> int:
     stats = stats if stats is not None or device.platform == "cpu" else device.memory_stats()
     if stats and "bytes_in_use" in stats:
         return int(stats["bytes_in_use"])
-    import psutil
 
     return int(psutil.Process().memory_info().rss)
 

@@ -18,7 +18,16 @@ import os
 import time
 from typing import Any
 
+import jax
+import numpy as np
+
 from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.data.batch import Batch
+from jaxrl_llm.models.attention import attention_mesh
+from jaxrl_llm.models.attention import resolve as resolve_attention
+from jaxrl_llm.models.config import resolve_compute_dtype
+from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.parallel.rules import batch_sharding_tree
 from jaxrl_llm.plan.report import (  # noqa: F401  (re-exported: `plan.GIB`, `plan.format_report`)
     CHIP_MEMORY_GIB,
     CHIP_PEAK,
@@ -27,6 +36,9 @@ from jaxrl_llm.plan.report import (  # noqa: F401  (re-exported: `plan.GIB`, `pl
     PlanReport,
     format_report,
 )
+from jaxrl_llm.train.state import abstract_train_state, count_params
+from jaxrl_llm.train.step import make_train_step
+from jaxrl_llm.weights.loading import decoder_config
 
 
 class PlanOutOfMemory(RuntimeError):
@@ -92,8 +104,6 @@ def _needed_devices(config: ExperimentConfig) -> int:
 
 def select_devices(config: ExperimentConfig) -> tuple[list[Any], str, str | None]:
     """(devices, topology label, fallback note)."""
-    import jax
-
     pc = config.plan
     if pc.platform == "tpu":
         if not pc.topology:
@@ -127,12 +137,6 @@ def _tpu_count(topology: str) -> int:
 
 def abstract_batch(config: ExperimentConfig, mesh: Any) -> Any:
     """The global batch as ShapeDtypeStructs with the step's batch shardings."""
-    import jax
-    import numpy as np
-
-    from jaxrl_llm.data.batch import Batch
-    from jaxrl_llm.parallel.rules import batch_sharding_tree
-
     b, t = config.train.batch_size, config.train.max_seq_len
     pairs = b // 2 if config.loss.spec.needs_pairs else 0
     # Packed rows (data.pack) carry k record slots each: per-record arrays are [B·k].
@@ -165,9 +169,6 @@ def _path_str(path: Any) -> str:
 
 def _array_infos(state: Any) -> tuple[list[ArrayInfo], dict[str, int]]:
     """(every state array, largest first; per-device bytes of each state section)."""
-    import jax
-    import numpy as np
-
     infos = []
     sections: dict[str, int] = {}
     for section in ("params", "opt_state", "ref_params", "model_state"):
@@ -192,17 +193,8 @@ def _array_infos(state: Any) -> tuple[list[ArrayInfo], dict[str, int]]:
 
 def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     """Lower and compile the config's train step on abstract inputs; see the module doc."""
-    from jaxrl_llm.models.attention import attention_mesh
-    from jaxrl_llm.models.attention import resolve as resolve_attention
-    from jaxrl_llm.parallel.mesh import make_mesh
-    from jaxrl_llm.train.state import abstract_train_state, count_params
-    from jaxrl_llm.train.step import make_train_step
-    from jaxrl_llm.weights.loading import decoder_config
-
     devices, topology, note = select_devices(config)
     # "auto" dtypes resolve for the target's platform, not this CPU's.
-    from jaxrl_llm.models.config import resolve_compute_dtype
-
     model = config.model.model_copy(update={
         key: resolve_compute_dtype(getattr(config.model, key), devices[0].platform)
         for key in ("param_dtype", "compute_dtype")})

@@ -23,10 +23,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax
 from etils import epath
 
+from jaxrl_llm.config import ExperimentConfig
 from jaxrl_llm.core.atomic import atomic_directory, atomic_file
 from jaxrl_llm.core.paths import PathLike, as_path, copy_tree, is_remote
+from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.models.lora import has_adapters
+from jaxrl_llm.policy.opener import classify, open_checkpoint, open_model
+from jaxrl_llm.weights import hf
+from jaxrl_llm.weights.lora_export import save_peft_adapter
 
 
 def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
@@ -42,9 +49,6 @@ def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
 
 
 def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None) -> None:
-    from jaxrl_llm.core.progress import progress_bar
-    from jaxrl_llm.weights import hf
-
     bar = progress_bar(None, desc=f"export {out.name}", unit="tensor")
 
     def on_tensor(done: int, total: int) -> None:
@@ -71,11 +75,7 @@ ADAPTER_SUBDIR = "adapter"
 
 def _save_lora_adapter(model: Any, out: Path, *, dtype: str | None) -> None:
     """A LoRA model's adapters in PEFT's format under `out/adapter` (none without LoRA)."""
-    from jaxrl_llm.models.lora import has_adapters
-
     if has_adapters(model):
-        from jaxrl_llm.weights.lora_export import save_peft_adapter
-
         save_peft_adapter(model, out / ADAPTER_SUBDIR, dtype=dtype)
 
 
@@ -123,10 +123,6 @@ def export_checkpoint(checkpoint: PathLike, out_dir: PathLike, *, step: int | No
                       gguf_type: str = "f16") -> epath.Path:
     """Restore `checkpoint` (run dir, checkpoints dir or step dir) and export it to `out_dir`
     (format "hf": an HF directory; "gguf": one GGUF file of `gguf_type`)."""
-    import jax
-
-    from jaxrl_llm.policy.opener import open_checkpoint
-
     if format not in ("hf", "gguf"):
         raise ValueError(f"export format {format!r} is not one of ['hf', 'gguf']")
     # the run's own tokenizer, or `tokenizer` (a directory); refused when it outgrows the model
@@ -150,9 +146,6 @@ def export_model(source: str, out_dir: PathLike, *, dtype: str | None = None,
     """`source` (what `--from` accepts, decided by `opener.open_model`: smollm2, a `.gguf`, an
     HF directory, a Hub id, or a checkpoint) written to `out_dir` like a trained checkpoint's
     export."""
-    from jaxrl_llm.config import ExperimentConfig
-    from jaxrl_llm.policy.opener import classify, open_model
-
     if classify(source, key="--from")[0] == "checkpoint":
         return export_checkpoint(source, out_dir, tokenizer=tokenizer, dtype=dtype,
                                  overwrite=overwrite, format=format, gguf_type=gguf_type)

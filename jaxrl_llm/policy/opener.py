@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jaxrl_llm.core.paths import as_path, copy_tree, is_remote
+from jaxrl_llm.train.checkpoint import restore_model
+from jaxrl_llm.weights.hub import is_hub_id
+from jaxrl_llm.weights.loading import check_tokenizer_fits, load_model, load_tokenizer
 
 Kind = Literal["config", "gguf", "hf", "checkpoint"]
 
@@ -43,8 +46,6 @@ class OpenedModel:
 def classify(source: str | None, *, key: str = "model") -> tuple[Kind, str | None]:
     """(kind, path) of `source` (module docstring's table); a clear error naming `key` when
     it is none of them."""
-    from jaxrl_llm.weights.hub import is_hub_id
-
     if source is None:
         return "config", None
     if source == "smollm2":
@@ -82,8 +83,6 @@ def open_model(source: str | None, config: Any, *, mesh: Any = None, tokenizer: 
     checkpoint is restored onto it, or onto every local device's "fsdp" axis).
     `tokenizer`: a tokenizer directory overriding the source's own. `with_tokenizer=False`:
     the model alone (`score`), `OpenedModel.tokenizer` None."""
-    from jaxrl_llm.weights.loading import load_model
-
     kind, path = classify(source, key=key)
     if kind == "checkpoint":
         return open_checkpoint(path, mesh=mesh, tokenizer=tokenizer, with_tokenizer=with_tokenizer)
@@ -108,8 +107,6 @@ def open_checkpoint(path: str, *, step: int | None = None, mesh: Any = None,
     """The policy of a training checkpoint (a run directory, its `checkpoints/`, or one step
     directory; `step`: that step, default the latest) with the tokenizer it was trained with
     (or `tokenizer`), in the configuration stored next to it."""
-    from jaxrl_llm.train.checkpoint import restore_model
-
     restored = restore_model(path, step=step, mesh=mesh)
     tok = fitting_tokenizer(with_tokenizer_named(restored.config, tokenizer), restored.model,
                             model_from=str(path)) if with_tokenizer else None
@@ -120,8 +117,6 @@ def open_checkpoint(path: str, *, step: int | None = None, mesh: Any = None,
 def open_tokenizer(config: Any) -> Any:
     """The tokenizer `open_model(None, config)` pairs with the config's model (`data.tokenizer`,
     else the source's own), without loading the model."""
-    from jaxrl_llm.weights.loading import load_tokenizer
-
     return load_tokenizer(config.model, config.data.tokenizer)
 
 
@@ -135,8 +130,6 @@ def with_tokenizer_named(config: Any, tokenizer: str | None) -> Any:
 def fitting_tokenizer(config: Any, model: Any, *, model_from: str) -> Any:
     """`open_tokenizer(config)`, refused (naming both files) when it has more tokens than
     `model`'s embedding table."""
-    from jaxrl_llm.weights.loading import check_tokenizer_fits
-
     tok = open_tokenizer(config)
     check_tokenizer_fits(tok, model.config.vocab_size,
                          tokenizer_from=str(config.data.tokenizer or config.model.path or "char"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
@@ -41,8 +42,6 @@ def _check(gold: str, pred: str) -> bool:
 
 
 def _worker_main(conn: Connection) -> None:
-    import logging
-
     # We disable math-verify's signal timeouts on purpose (the parent enforces a hard one).
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     _check("1", "1")  # import and warm up before "ready": job timeouts exclude start-up

@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from jaxrl_llm.tasks.base import Task
+from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.tasks.base import Task, with_system_prompt
 
 # name -> "module:Class"; modules import lazily so `math` does not start a process pool early.
 _TASKS: dict[str, str] = {
@@ -97,8 +98,6 @@ def task_from_config(config: Any) -> Task:
     """The task an experiment config's `data` section names (`data.task`, `task_path`,
     `task_options`, `reward_scheme`, `system_prompt`); a `ConfigError` naming those keys when
     it cannot be built."""
-    from jaxrl_llm.core.errors import ConfigError
-
     d = config.data
     kwargs: dict[str, Any] = {"reward_scheme": d.reward_scheme, **d.task_options}
     if d.task_path is not None:
@@ -108,7 +107,5 @@ def task_from_config(config: Any) -> Task:
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"data.task={d.task!r} / data.task_options: {err}") from err
     if getattr(d, "system_prompt", None):
-        from jaxrl_llm.tasks.base import with_system_prompt
-
         task = with_system_prompt(task, d.system_prompt)
     return task

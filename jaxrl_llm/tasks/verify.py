@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from jaxrl_llm.data.shards import RecordSource
 from jaxrl_llm.tasks.base import Problem, RewardResult, RewardScheme, Task, binary_reward
 
 # `\s*(?:\*+\s*)?`, not `\s*\**\s*`: two adjacent `\s*` made a run of spaces quadratic.
@@ -40,7 +41,6 @@ class VerifyTask(Task):
     def load(self, *, split: str = "train", num: int | None = None, seed: int = 0) -> list[Problem]:
         if self.path is None:
             raise ValueError("task 'verify' needs path= a record directory (data.task_path)")
-        from jaxrl_llm.data.shards import RecordSource
 
         source = RecordSource(self.path)
         problems = []

@@ -25,15 +25,22 @@ restores onto any mesh shape — Orbax reshards on read.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
+from jaxrl_llm.config import ExperimentConfig, MeshConfig
 from jaxrl_llm.core.paths import PathLike, as_path
+from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.train.state import abstract_train_state
+from jaxrl_llm.train.state_items import state_items, with_items
 
 STATE, DATA, META = "state", "data", "meta"
 # The state items `params_dtype` applies to: the policy's weights and the frozen reference.
@@ -100,7 +107,6 @@ def stored_params(state: Any, dtype: str) -> Any:
     `dtype` ("bfloat16": half their bytes on disk; "float32": unchanged)."""
     if dtype == "float32" or not isinstance(state, Mapping):
         return state
-    import jax.numpy as jnp
 
     def cast(x: Any) -> Any:
         return x.astype(jnp.bfloat16) if getattr(x, "dtype", None) == jnp.float32 else x
@@ -112,8 +118,6 @@ def warn_if_rounded(meta: Mapping[str, Any], what: str) -> None:
     """Say on stderr that `what` continues from bfloat16-rounded parameters (a
     `train.checkpoint_dtype: bfloat16` checkpoint): not the bit-exact continuation of the run."""
     if meta.get(PARAMS_DTYPE, "float32") != "float32":
-        import sys
-
         print(f"warning: {what} from a checkpoint whose parameters were stored in "
               f"{meta[PARAMS_DTYPE]} (train.checkpoint_dtype): they are cast back to float32, so "
               "the run is not bit-exact with an uninterrupted one", file=sys.stderr)
@@ -283,11 +287,6 @@ def restore_model(path: PathLike, *, step: int | None = None, mesh: Any | None =
     which spreads the weights) and, in a multi-host job, gathered so every process holds the
     full parameters (what an HF export needs).
     """
-    from jaxrl_llm.config import ExperimentConfig, MeshConfig
-    from jaxrl_llm.parallel.mesh import make_mesh
-    from jaxrl_llm.train.state import abstract_train_state
-    from jaxrl_llm.train.state_items import state_items, with_items
-
     directory, found = locate(path)
     step = step if step is not None else found
     ckpt = Checkpointer(directory, async_save=False)
@@ -304,8 +303,6 @@ def restore_model(path: PathLike, *, step: int | None = None, mesh: Any | None =
         ckpt.close()
     state = with_items(template, restored.state)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         gather = lambda tree: multihost_utils.process_allgather(tree, tiled=True)
         # model_state: a LoRA run's frozen base weights, sharded like the params.
         state = state.replace(params=gather(state.params), model_state=gather(state.model_state))

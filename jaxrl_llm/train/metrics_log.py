@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -112,8 +115,6 @@ class JsonlWriter:
 def _summary_writer() -> Any:
     """tensorboardX's `SummaryWriter`, imported without torch: tensorboardX imports torch
     (about 2 s of CPU at every `train` start) only to accept torch tensors, never logged here."""
-    import sys
-
     if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
         try:
@@ -144,9 +145,6 @@ class TensorBoardWriter:
 
 def _new_run_id() -> str:
     """A wandb-style run id: 8 characters of [a-z0-9]."""
-    import secrets
-    import string
-
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 

@@ -26,6 +26,11 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
+import numpy as np
+from jax._src import distributed
+from jax.experimental import multihost_utils
+
 from jaxrl_llm.core.signals import STOP_SIGNALS, stop_point
 
 LOCAL, JAX_SYNC, ALLGATHER = "local", "jax_sync_point", "allgather"
@@ -33,9 +38,6 @@ LOCAL, JAX_SYNC, ALLGATHER = "local", "jax_sync_point", "allgather"
 
 def sync_mode() -> str:
     """How this job agrees on a stop step: LOCAL, JAX_SYNC or ALLGATHER (see module doc)."""
-    import jax
-    from jax._src import distributed
-
     if jax.process_count() == 1:
         return LOCAL
     if getattr(distributed.global_state, "preemption_sync_manager", None) is not None:
@@ -80,11 +82,9 @@ class StopSync:
         """True on every process at the same `step` once any process got SIGTERM/request."""
         if self.mode == LOCAL:
             return self.is_set()
-        from jax.experimental import multihost_utils
 
         if self.mode == JAX_SYNC:
             return multihost_utils.reached_preemption_sync_point(step) or self.is_set()
-        import numpy as np
 
         flags = multihost_utils.process_allgather(np.asarray([self.is_set()], np.int32))
         return bool(np.any(flags))

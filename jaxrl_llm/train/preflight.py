@@ -16,13 +16,15 @@ train this loss as configured?
 
 from __future__ import annotations
 
+import json
 import math
 
 from etils import epath
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.data.records import validate_record
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
-from jaxrl_llm.data.shards import MANIFEST_NAME, Manifest, read_manifest
+from jaxrl_llm.data.shards import MANIFEST_NAME, Manifest, RecordSource, read_manifest
 from jaxrl_llm.train.score import REF_TEMPERATURE
 
 
@@ -124,8 +126,6 @@ def model_vocab_size(config: ExperimentConfig) -> int | None:
     if m.source == "random":
         return m.vocab_size
     if m.source == "hf" and m.path and (epath.Path(m.path) / "config.json").exists():
-        import json
-
         return json.loads((epath.Path(m.path) / "config.json").read_text()).get("vocab_size")
     return None
 
@@ -137,9 +137,6 @@ def check_all_records(directory: str | epath.PathLike, vocab_size: int | None,
     the shard and index before anything trains (the loader only reads a record when its
     batch comes up, possibly hours in). On several hosts each validates every
     `process_count`-th record, so the pass costs 1/P of the data per host."""
-    from jaxrl_llm.data.records import validate_record
-    from jaxrl_llm.data.shards import RecordSource
-
     source = RecordSource(directory)
     mine = range(process_index, len(source), process_count)
     for start in range(0, len(mine), chunk):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxrl_llm.core.errors import ConfigError
@@ -100,8 +102,6 @@ def _plan(manifest: Manifest, lengths: np.ndarray, out: epath.Path, local_rows: 
 
 def _allgather(x: np.ndarray) -> np.ndarray:
     """[P, ...]: `x` of every process (same shape on all), stacked in process order."""
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x))
 
 
@@ -130,8 +130,6 @@ def _global_stats(local: np.ndarray) -> np.ndarray:
 
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -150,8 +148,6 @@ def _check_outputs(out: epath.Path, manifest: Manifest) -> None:
 
 def _shard_count(out: epath.Path, name: str) -> int:
     """Records in output shard `name`, from its lengths sidecar (cheap)."""
-    import io
-
     path = out / name.replace(".array_record", ".lengths.npy")
     return int(np.load(io.BytesIO(path.read_bytes())).shape[0])
 

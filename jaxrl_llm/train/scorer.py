@@ -15,8 +15,19 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.losses.logprobs import token_logprobs
+from jaxrl_llm.parallel.memory import (
+    InsufficientMemory,
+    available_memory,
+    describe,
+    fits,
+    program_memory,
+)
 from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, make_mesh
+from jaxrl_llm.parallel.rules import state_shardings
 from jaxrl_llm.sampling.sampler import default_bucket  # the sampler's padded-length buckets
+from jaxrl_llm.train.state import split_model
+from jaxrl_llm.train.step import forward
 
 BATCH_SIZE_KEY = "generate.score_batch_size"
 # π_ref's log-probs are the policy's own distribution: DPO (arXiv:2305.18290), KTO
@@ -82,11 +93,6 @@ class Scorer:
     """
 
     def __init__(self, model: Any, *, temperature: float, chunk_size: int, mesh: Mesh) -> None:
-        from jaxrl_llm.losses.logprobs import token_logprobs
-        from jaxrl_llm.parallel.rules import state_shardings
-        from jaxrl_llm.train.state import split_model
-        from jaxrl_llm.train.step import forward
-
         graphdef, params, rest = split_model(model)
         self.mesh = mesh
         self.params = jax.tree.map(jax.device_put, params, state_shardings(params, mesh))
@@ -120,14 +126,6 @@ class Scorer:
         """Compile the pass for its largest batch (`batch_size` global rows of `length`
         tokens: jit's cache keeps it for the calls) and refuse it when it would not fit in the
         memory left (`parallel/memory.py`), naming `generate.score_batch_size`."""
-        from jaxrl_llm.parallel.memory import (
-            InsufficientMemory,
-            available_memory,
-            describe,
-            fits,
-            program_memory,
-        )
-
         spec = jax.ShapeDtypeStruct((batch_size, length), np.int32, sharding=self.rows)
         compiled = self._score.lower(self.params, self.model_state, *[spec] * 4).compile()
         memory = program_memory(compiled, self.mesh)

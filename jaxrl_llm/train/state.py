@@ -30,8 +30,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
+from jaxrl_llm.models.lora import LoraSpec, add_lora
 from jaxrl_llm.parallel.rules import optimizer_shardings, state_shardings
 from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.weights.loading import load_model
 
 
 @struct.dataclass
@@ -59,7 +61,6 @@ def lora_spec(config: ExperimentConfig) -> Any:
     lora = config.model.lora
     if lora is None:
         return None
-    from jaxrl_llm.models.lora import LoraSpec
 
     return LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets))
 
@@ -77,8 +78,6 @@ def with_adapters(config: ExperimentConfig, model: nnx.Module) -> nnx.Module:
     if have == spec:
         return model
     if have is None:
-        from jaxrl_llm.models.lora import add_lora
-
         return add_lora(model, spec, seed=config.seed)
     raise ConfigError(f"model.lora={config.model.lora} but the given model has adapters {have}")
 
@@ -121,8 +120,6 @@ def build_model(config: ExperimentConfig, *, weights: bool = True,
     `model.lora`'s adapters; train's only way to a model (commands open theirs in `opener`).
     `weights=False` builds a randomly initialised model of the same architecture (for
     `nnx.eval_shape` / `plan`)."""
-    from jaxrl_llm.weights.loading import load_model
-
     model = load_model(config.model, seed=config.seed, mesh=mesh, weights=weights).model
     return with_adapters(config, model)
 

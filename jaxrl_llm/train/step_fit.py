@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from jaxrl_llm.config import ExperimentConfig
 from jaxrl_llm.parallel.memory import (
     InsufficientMemory,
@@ -25,6 +27,8 @@ from jaxrl_llm.parallel.memory import (
     held_bytes,
     program_memory,
 )
+from jaxrl_llm.parallel.mesh import batch_shards
+from jaxrl_llm.train.loss_fn import needs_full_batch
 
 StepBuilder = Callable[[ExperimentConfig], Any]  # config -> jitted train step
 
@@ -32,8 +36,6 @@ StepBuilder = Callable[[ExperimentConfig], Any]  # config -> jitted train step
 def largest_batch(batch: Any, max_seq_len: int) -> Any:
     """`batch` itself when its rows are `max_seq_len` long, else its abstract twin at that
     length (length buckets: the longest bucket is the peak)."""
-    import jax
-
     if batch.inputs.shape[1] == max_seq_len:
         return batch
     per_token = {"inputs", "targets", "positions", "segment_ids", "loss_mask",
@@ -54,8 +56,6 @@ def _checkpoint_copy(config: ExperimentConfig, memory: ProgramMemory) -> int:
 
 def _micro_candidates(config: ExperimentConfig, shards: int) -> list[int]:
     """Micro-batch sizes to try, largest first: halvings that stay multiples of the shards."""
-    from jaxrl_llm.train.loss_fn import needs_full_batch
-
     if config.train.micro_batch_size is not None or needs_full_batch(config):
         return []
     sizes, size = [], config.train.batch_size
@@ -91,7 +91,6 @@ def fit_train_step(config: ExperimentConfig, mesh: Any, state: Any, batch: Any,
     step = build(config)
     if not config.train.check_memory or not hasattr(step, "lower"):
         return config, step, None  # off, or a wrapped step (tests) that cannot be compiled
-    from jaxrl_llm.parallel.mesh import batch_shards
 
     target = largest_batch(batch, config.train.max_seq_len)
     device = mesh.devices.flat[0]

@@ -32,14 +32,40 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
+from jax.experimental import multihost_utils
 
 from jaxrl_llm.config import ExperimentConfig, dump_config
 from jaxrl_llm.core.atomic import atomic_write_text
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.paths import PathLike, as_path
+from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.data.loader import loader_from_config
+from jaxrl_llm.data.signal import check_signal
+from jaxrl_llm.data.stages import check_mu, stage_input
+from jaxrl_llm.losses.types import finite_or_raise
+from jaxrl_llm.parallel.distributed import global_batch
+from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer, abstract_like, warn_if_rounded
+from jaxrl_llm.train.metrics_log import MetricsLogger
+from jaxrl_llm.train.nonfinite import NonfiniteGuard, nonfinite_quantities
 from jaxrl_llm.train.preemption import StopSync
+from jaxrl_llm.train.preflight import (
+    check_all_records,
+    check_batch_divides,
+    check_records,
+    first_step_metrics,
+    model_vocab_size,
+)
+from jaxrl_llm.train.record_trace import RecordTrace
+from jaxrl_llm.train.state import abstract_train_state, create_train_state
 from jaxrl_llm.train.state_items import STATE_FIELDS, state_items, with_items  # noqa: F401 (re-exported)
+from jaxrl_llm.train.step import make_train_step
+from jaxrl_llm.train.step_fit import fit_train_step
+from jaxrl_llm.train.window import MetricWindow
+from jaxrl_llm.weights.loading import check_weights_found, decoder_config
 
 # (step, state) -> metrics to log under "eval/" (or None)
 EvalHook = Callable[[int, Any], Mapping[str, float] | None]
@@ -87,32 +113,16 @@ class Trainer:
         init_from: PathLike | None = None,
         refuse_no_signal: bool = False,
     ) -> None:
-        import jax
-
-        from jaxrl_llm.data.loader import loader_from_config
-        from jaxrl_llm.data.signal import check_signal
-        from jaxrl_llm.data.stages import check_mu, stage_input
-        from jaxrl_llm.parallel.mesh import make_mesh
-        from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
-        from jaxrl_llm.train.preflight import (
-            check_all_records,
-            check_batch_divides,
-            check_records,
-            model_vocab_size,
-        )
-
         self.config = config
         # The configuration first (mesh, batch split, model source), then the data: a wrong
         # config must not wait behind a long check of every record.
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         check_batch_divides(config, self.mesh)
         if model is None:  # a missing or unreadable model.path, named
-            from jaxrl_llm.weights.loading import check_weights_found, decoder_config
 
             check_weights_found(config.model)
             decoder_config(config.model)
         if config.train.eval_every and eval_hook is None:  # never accepted and ignored
-            from jaxrl_llm.core.errors import ConfigError
 
             raise ConfigError(
                 f"train.eval_every={config.train.eval_every} needs an evaluation: `jaxrl-llm "
@@ -133,7 +143,6 @@ class Trainer:
         self.run_dir = as_path(run_dir if run_dir is not None else config.run_dir)
         self.eval_hook, self.on_batch, self.on_step = eval_hook, on_batch, on_step
         if config.train.record_trace:  # data-order audit (train/record_trace.py)
-            from jaxrl_llm.train.record_trace import RecordTrace
 
             self.on_batch = RecordTrace(self.run_dir, then=on_batch)
         self.progress = progress and jax.process_index() == 0
@@ -160,9 +169,6 @@ class Trainer:
         """(state, loop step): restored from the latest checkpoint when there is one; else,
         with `init_from`, that run's final train state (parameters, optimizer state and step,
         RNG; not its data position) at loop step 0, so the optimizer continues (`iterate`)."""
-        from jaxrl_llm.train.checkpoint import abstract_like, warn_if_rounded
-        from jaxrl_llm.train.state import abstract_train_state, create_train_state
-
         latest = self.checkpointer.latest_step()
         # Without a given model, every source loads through `weights.loading` (weights straight
         # into their shardings; a resume builds only the abstract template).
@@ -199,13 +205,6 @@ class Trainer:
         self._stop.request()
 
     def run(self) -> TrainResult:
-        import jax
-
-        from jaxrl_llm.parallel.distributed import global_batch
-        from jaxrl_llm.train.metrics_log import MetricsLogger
-        from jaxrl_llm.train.nonfinite import NonfiniteGuard, nonfinite_quantities
-        from jaxrl_llm.train.window import MetricWindow
-
         cfg = self.config.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
@@ -222,7 +221,6 @@ class Trainer:
                                run_config=self._meta(step, state)["config"])
         self._stop.install()  # SIGTERM / Ctrl-C stop after a step (train/preemption.py)
         window = MetricWindow()
-        from jaxrl_llm.core.progress import progress_bar
 
         bar = progress_bar(cfg.steps, initial=step, enabled=self.progress, desc="train",
                            unit="step")
@@ -245,7 +243,6 @@ class Trainer:
             scalars.update(data)
             guard.observe(at, scalars)  # raises after max_nonfinite_steps skips in a row
             if at == 1:  # the first row shows step 1's log-ratios (≈ 0: π = μ = π_ref)
-                from jaxrl_llm.train.preflight import first_step_metrics
 
                 scalars.update(first_step_metrics(scalars))
             window.add(scalars)
@@ -314,8 +311,6 @@ class Trainer:
     def _next_batch(self) -> Any | None:
         """The loader's next host batch, checked finite (never train on NaN); None at the end
         of the data (`data.num_epochs`)."""
-        from jaxrl_llm.losses.types import finite_or_raise
-
         try:
             host = next(self.loader)
         except StopIteration:
@@ -327,10 +322,6 @@ class Trainer:
     def _fit_step(self, state: Any, batch: Any) -> Any:
         """The jitted step, compiled for the largest batch and checked against the memory
         left (`train/step_fit.py`); a micro-batch size it picks becomes this run's config."""
-        import jax
-
-        from jaxrl_llm.train.step_fit import fit_train_step
-
         say = None if jax.process_index() == 0 else (lambda text: None)
         if self.progress:  # the compile takes a while on a real model: say what is happening
             print("train: compiling the train step", file=sys.stderr, flush=True)
@@ -357,10 +348,6 @@ def cached_train_step(config: ExperimentConfig, mesh: Any, state: Any) -> Any:
     """`make_train_step`, reused across Trainers of one process (the `iterate` loop and
     resumed runs) when the step-relevant config, mesh, state structure and shardings match,
     so a new Trainer does not recompile."""
-    import jax
-
-    from jaxrl_llm.train.step import make_train_step
-
     leaves, treedef = jax.tree.flatten(state)
     key = (
         config.model_dump_json(exclude=_STEP_IRRELEVANT), mesh, treedef,
@@ -376,8 +363,6 @@ def cached_train_step(config: ExperimentConfig, mesh: Any, state: Any) -> Any:
 def fetch_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """The train step's metrics on the host (the loop's only device read per step; it reads
     step N's after step N+1 is dispatched)."""
-    import jax
-
     return jax.device_get(dict(metrics))
 
 
@@ -385,8 +370,6 @@ def continue_state(template: Any, checkpoints: PathLike, keep_ref: bool) -> Any:
     """`template` with the latest train state saved in `checkpoints` (a run's checkpoint
     directory): parameters, optimizer state and step, RNG. `keep_ref`: the template's
     reference policy stays (it is the model this run was given)."""
-    from jaxrl_llm.train.checkpoint import Checkpointer, abstract_like, warn_if_rounded
-
     items = state_items(template)
     source = Checkpointer(checkpoints, async_save=False)
     try:
@@ -407,12 +390,8 @@ def continue_state(template: Any, checkpoints: PathLike, keep_ref: bool) -> Any:
 def batch_data_metrics(loader: Any, host: Any) -> dict[str, float]:
     """What the global batch holds, host-side: `data/whole_groups` / `data/partial_groups`
     for the group losses (summed over the processes' parts; each part holds whole groups)."""
-    import jax
-
     counts = loader.group_counts(host)
     if counts and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         keys = sorted(counts)
         total = multihost_utils.process_allgather(np.asarray([counts[k] for k in keys])).sum(0)
         counts = dict(zip(keys, map(float, total)))
@@ -420,6 +399,4 @@ def batch_data_metrics(loader: Any, host: Any) -> dict[str, float]:
 
 
 def _shardings(tree: Any) -> Any:
-    import jax
-
     return jax.tree.map(lambda x: x.sharding, tree)

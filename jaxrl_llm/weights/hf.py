@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxrl_llm.models.config import PARAM_DTYPES, DecoderConfig, UnsupportedConfigError, dtype_name
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, logical_to_mesh_spec
 from jaxrl_llm.weights.hf_export import save_pretrained, state_dict  # the export side, re-exported
 from jaxrl_llm.weights.hf_layout import (
     Index,
@@ -110,8 +111,6 @@ def _assign_params(model: Decoder, read: SliceReader, place: Placer | None = Non
 def mesh_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None) -> ShardingFn:
     """The `NamedSharding` of each parameter on `mesh` by the logical-axis `rules`
     (default: the trainer's, `parallel.rules.DEFAULT_PARAM_RULES`)."""
-    from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, logical_to_mesh_spec
-
     table = DEFAULT_PARAM_RULES if rules is None else rules
 
     def sharding(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> jax.sharding.Sharding:

@@ -10,6 +10,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxrl_llm.core.errors import ModelFileError
 from jaxrl_llm.models.config import DecoderConfig
@@ -63,8 +64,6 @@ def _to_host(value: jax.Array) -> np.ndarray:
     Arrays spread over several processes are all-gathered, so every process must call this
     (as every process runs the same export code in a multi-controller job)."""
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(jax.device_get(value))
 

@@ -15,6 +15,8 @@ import os
 import re
 from pathlib import Path
 
+from jaxrl_llm.core.errors import ConfigError
+
 # What the decoder and the tokenizer read from a snapshot (never *.bin / *.pth / *.gguf).
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
 # org/name, as the Hub spells repository ids (letters, digits, - _ .; no leading dot).
@@ -60,8 +62,6 @@ def resolve_model_dir(path: str, *, revision: str | None = None, key: str = "mod
     key: the config key that named `path` (for the error message). files: the file patterns
     to fetch (default `HUB_FILES`; `["config.json"]` when only the architecture is needed).
     """
-    from jaxrl_llm.core.errors import ConfigError
-
     if not is_hub_id(path):
         if revision is not None and not Path(path).exists():
             raise ConfigError(f"model.revision={revision!r} is set but {key}={path!r} is "

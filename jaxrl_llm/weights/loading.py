@@ -31,8 +31,13 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.core.errors import ConfigError, ModelFileError
+from jaxrl_llm.models.config import DecoderConfig, resolve_compute_dtype
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, state_shardings
+from jaxrl_llm.weights.hf import load_pretrained, read_hf_config
+from jaxrl_llm.weights.hub import resolve_model_dir
+from jaxrl_llm.weights.packaged import smollm2_gguf_path
 
 WEIGHT_SOURCES = ("hf", "gguf", "smollm2")
 _PATH_HINT = {"hf": "a Hugging Face directory with config.json and *.safetensors",
@@ -49,7 +54,6 @@ class LoadedModel(NamedTuple):
 def numerics(model_config: Any) -> dict[str, Any]:
     """The `DecoderConfig` fields the `model:` section sets for every source."""
     m = model_config
-    from jaxrl_llm.models.config import resolve_compute_dtype
 
     return {"param_dtype": resolve_compute_dtype(m.param_dtype),
             "compute_dtype": resolve_compute_dtype(m.compute_dtype),
@@ -60,21 +64,16 @@ def numerics(model_config: Any) -> dict[str, Any]:
 def weights_path(model_config: Any, *, files: list[str] | None = None) -> str:
     """The file or directory the weights come from; a `ConfigError` naming `model.path`
     when a pretrained source has none."""
-    from jaxrl_llm.core.errors import ConfigError
-
     m = model_config
     if m.source not in WEIGHT_SOURCES:
         raise ConfigError(f"model.source={m.source!r} has no weights file (one of "
                           f"{list(WEIGHT_SOURCES)} has)")
     if m.path is not None:
         if m.source == "hf":  # a hub id (org/name) -> its cached snapshot (weights/hub.py)
-            from jaxrl_llm.weights.hub import resolve_model_dir
 
             return resolve_model_dir(str(m.path), revision=m.revision, files=files)
         return str(m.path)
     if m.source == "smollm2":
-        from jaxrl_llm.weights.packaged import smollm2_gguf_path
-
         return str(smollm2_gguf_path())
     raise ConfigError(f"model.path is not set, but model.source={m.source!r} loads its weights "
                       f"from it: set model.path to {_PATH_HINT[m.source]} (or use "
@@ -90,7 +89,6 @@ def check_weights_found(model_config: Any) -> None:
     path = weights_path(m, files=["config.json"])
     if "://" in path or Path(path).exists():
         return
-    from jaxrl_llm.core.errors import ConfigError
 
     parent = Path(path).parent
     near = sorted(p.name for p in parent.iterdir())[:12] if parent.is_dir() else []
@@ -112,8 +110,6 @@ def decoder_config(model_config: Any) -> DecoderConfig:
         return random_architecture(m)
     path = weights_path(m, files=["config.json"])  # a hub id: its config only
     if m.source == "hf" and (Path(path) / "config.json").is_file():
-        from jaxrl_llm.weights.hf import read_hf_config
-
         return DecoderConfig.from_hf(read_hf_config(path), source=str(Path(path) / "config.json"),
                                      **numerics(m))
     if m.source != "hf" and Path(path).is_file():
@@ -177,7 +173,6 @@ def random_model(config: DecoderConfig, *, seed: int = 0, mesh: Mesh | None = No
 
     if mesh is None:
         return make()
-    from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, state_shardings
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     shardings = state_shardings(abstract, mesh, DEFAULT_PARAM_RULES if rules is None else rules)
@@ -202,8 +197,6 @@ def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
     dtype = numerics(m)["param_dtype"]  # "auto" resolved for this platform
     overrides = {k: v for k, v in numerics(m).items() if k != "param_dtype"}
     if m.source == "hf":
-        from jaxrl_llm.weights.hf import load_pretrained
-
         model = load_pretrained(path, dtype=dtype, mesh=mesh, rules=rules, **overrides)
         return LoadedModel(model, None)
     from jaxrl_llm.weights.gguf import load_gguf
@@ -227,8 +220,6 @@ def load_tokenizer(model_config: Any, name: str | None = None) -> Any:
     """`name` (the config's `data.tokenizer`: "char", a tokenizer directory or Hub id) when
     set; else the source's own: the char tokenizer (random), the GGUF file's (gguf, smollm2;
     read without its weights) or the tokenizer files of `model.path` (hf)."""
-    from jaxrl_llm.core.errors import ConfigError
-
     m = model_config
     if name == "char" or (name is None and m.source == "random"):
         from jaxrl_llm.models.tokenizer import char_tokenizer
@@ -244,8 +235,6 @@ def load_tokenizer(model_config: Any, name: str | None = None) -> Any:
     if name is None:
         path = weights_path(m)  # a hub id -> its cached snapshot (weights/hub.py)
     else:
-        from jaxrl_llm.weights.hub import resolve_model_dir
-
         path = resolve_model_dir(str(name), key="data.tokenizer")
     from transformers import AutoTokenizer
 
@@ -258,8 +247,6 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str
     model's embedding table: a prompt id ≥ vocab_size would embed as NaN (`jnp.take` fills
     out-of-range rows) and the model could never emit those tokens (a smaller tokenizer is
     fine: padded vocabularies)."""
-    from jaxrl_llm.core.errors import ModelFileError
-
     def file(where: str, name: str) -> str:  # a directory's own file, when it has one
         return str(Path(where) / name) if (Path(where) / name).is_file() else where
 
