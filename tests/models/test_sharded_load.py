@@ -226,7 +226,12 @@ def test_every_command_loads_through_load_model(hf_pair, tmp_path, monkeypatch):
         calls.append((model_config.source, kwargs.get("weights", True)))
         return original(model_config, **kwargs)
 
-    monkeypatch.setattr(loading, "load_model", spy)
+    # the two callers bind the loader at import: the spy goes where each of them reads it
+    import jaxrl_llm.policy.opener as opener_module
+    import jaxrl_llm.train.state as state_module
+
+    for module in (loading, opener_module, state_module):
+        monkeypatch.setattr(module, "load_model", spy)
     config = config_from_dict({"model": {"source": "hf", "path": str(hf_dir),
                                          "scan_layers": True, "compute_dtype": "bfloat16"},
                                "data": {"tokenizer": "char"},

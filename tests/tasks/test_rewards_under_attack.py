@@ -392,11 +392,10 @@ def test_timeout_is_flagged_on_the_record_and_in_generate_and_eval_metrics(math_
     assert got["reward/verifier_errors"] - before["reward/verifier_errors"] == 1
 
     # evaluate: the same completions through evaluate_model's grading, sampler stubbed out.
-    import jaxrl_llm.generate.jax_backend as jb
-    import jaxrl_llm.sampling.sampler as sampler_mod
 
-    monkeypatch.setattr(jb, "sample_completions", lambda *a, **k: comps)
-    monkeypatch.setattr(sampler_mod, "Sampler", lambda *a, **k: None)
+    # (patched where evaluate reads them: it imports both at module level)
+    monkeypatch.setattr(evaluate, "sample_completions", lambda *a, **k: comps)
+    monkeypatch.setattr(evaluate, "build_sampler", lambda *a, **k: None)
     tok = _Tok(texts)
     tok.encode = lambda text, add_special_tokens=True: [1, 2]  # type: ignore[attr-defined]
     summary, _ = evaluate.evaluate_model(None, tok, math_task, problems, n=4, temperature=1.0,
