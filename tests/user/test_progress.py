@@ -1,7 +1,8 @@
 """Issue 33, progress: every stage that can take more than a few seconds says how far it is —
 a tqdm bar on a terminal, whole lines in a log (one per update here: JAXRL_PROGRESS_INTERVAL_S=0;
 by default at most one every 10 s). `generate` and `evaluate` move after every prompt batch
-(the bar used to count chunks of four batches and sat at 0 %)."""
+(the bar used to count chunks of four batches and sat at 0 %), and between batches their line
+shows the decode step of the batch running."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ def _lines(text: str, stage: str) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in re.findall(rf"^{stage}[^:\n]*: (\d+)/(\d+) ", text, re.M)]
 
 
+def _counts(text: str, stage: str) -> list[tuple[int, int]]:
+    """The counts a stage's lines went through (a line within a batch, which shows the decode
+    step, repeats the count of the batches done)."""
+    seen: list[tuple[int, int]] = []
+    for count in _lines(text, stage):
+        if not seen or seen[-1] != count:
+            seen.append(count)
+    return seen
+
+
 @pytest.mark.slow
 def test_every_stage_prints_progress_lines_in_a_log(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text(CONFIG)
@@ -41,8 +52,12 @@ def test_every_stage_prints_progress_lines_in_a_log(tmp_path: Path) -> None:
     for stage, done in runs.items():
         assert done.returncode == 0, (stage, done.stderr[-2000:])
         assert "\r" not in done.stderr, stage  # no carriage-return redraws in a log
-    assert _lines(runs["generate"].stderr, "generate") == [(0, 12), (4, 12), (8, 12), (12, 12)]
-    assert _lines(runs["evaluate"].stderr, "evaluate") == [(0, 8), (4, 8), (8, 8)]
+    assert _counts(runs["generate"].stderr, "generate") == [(0, 12), (4, 12), (8, 12), (12, 12)]
+    assert _counts(runs["evaluate"].stderr, "evaluate") == [(0, 8), (4, 8), (8, 8)]
+    # and within a batch the line shows the decode step (issue 41: progress inside a batch)
+    for stage in ("generate", "evaluate"):
+        assert re.search(rf"^{stage}[^\n]*batch 1/\d+: token \d+/8", runs[stage].stderr, re.M), \
+            runs[stage].stderr[-2000:]
     assert _lines(runs["score"].stderr, "score")[-1] == (24, 24)
     assert _lines(runs["train"].stderr, "train")[-1] == (2, 2)
     exported = _lines(runs["export"].stderr, "export")
