@@ -133,13 +133,28 @@ def check_seed_labels(experiment: str, results: dict, fig) -> None:
             assert want == {match.group(0)}, (text, candidates)
 
 
+def numeric_scalars(obj) -> set[float]:
+    """Every number anywhere in the JSON (a reference line such as μ's is one of them)."""
+    if isinstance(obj, dict):
+        return {a for v in obj.values() for a in numeric_scalars(v)}
+    if isinstance(obj, list):
+        return {a for v in obj for a in numeric_scalars(v)}
+    return {float(obj)} if isinstance(obj, int | float) and not isinstance(obj, bool) else set()
+
+
 def check_drawn_from(results: dict, fig) -> None:
     series = drawn_series(fig)
     assert series, "the figure drew no labelled series"
     lists = numeric_lists(results)
+    scalars = numeric_scalars(results)
     for label, x, y in series:
+        if np.all(y == y[0]) and float(y[0]) in scalars:  # a horizontal reference line (axhline)
+            continue
         for name, values in (("y", y), ("x", x)):
-            assert any(a.shape == values.shape and np.array_equal(a, values) for a in lists), \
+            # a series of the results, or (a panel that gathers one number per cell, such as
+            # the staleness plot's final pass@1 per s) every point a number of the results
+            assert any(a.shape == values.shape and np.array_equal(a, values) for a in lists) \
+                or all(float(v) in scalars for v in values), \
                 f"{label!r}: its {name} values are no series of the results"
 
 
