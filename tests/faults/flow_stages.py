@@ -71,7 +71,9 @@ def _curate_trigger(seed: int) -> Trigger:
 def _export_trigger(seed: int) -> Trigger:
     pattern, what = [(".hf.tmp-*", "the temporary directory appears"),
                      (".hf.tmp-*/*.safetensors", "the weights file appears"),
-                     (".hf.tmp-*/tokenizer*", "the tokenizer files appear")][seed % 3]
+                     # config.json, not the tokenizer files: those are written last, just before
+                     # the rename and exit, and a poll could no longer catch the process alive
+                     (".hf.tmp-*/config.json", "the config file appears")][seed % 3]
     return when(_glob(pattern), f"when {what}")
 
 
