@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from typing import Any
 
 from jaxrl_llm.commands.config import add_config_arguments
 
@@ -19,14 +21,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import load_config
+    from jaxrl_llm.core.signals import exit_code, signal_name
     from jaxrl_llm.online.config import OnlineConfig
     from jaxrl_llm.online.loop import run_online
 
     config = load_config(args.config, args.overrides, schema=OnlineConfig)
-    result = run_online(config, progress=not args.no_progress)
+    hook, every = None, config.train.eval_every or 0
+    if every:  # held-out pass@1 ± SE before, every eval_every updates, after (as `train`)
+        from jaxrl_llm.eval.during_training import make_eval_hook
+        from jaxrl_llm.policy.opener import open_tokenizer
+
+        evaluate = make_eval_hook(config, open_tokenizer(config))
+
+        def hook(updates: int, policy: Any) -> Any:
+            return evaluate(updates, policy.state)
+
+    result = run_online(config, progress=not args.no_progress, eval_hook=hook, eval_every=every,
+                        eval_at_start=bool(every))
+    if result.stopped:
+        print(f"jaxrl-llm online: stopped by {signal_name(result.stop_signal)} after round "
+              f"{result.rounds} ({result.updates} updates); checkpoint {result.checkpoint}; "
+              "run the same command to resume", file=sys.stderr)
+        return exit_code(result.stop_signal)
     print(json.dumps({"rounds": result.rounds, "updates": result.updates,
                       "run_dir": str(config.run_dir),
                       **{k: v for k, v in result.last.items() if k in (
                           "reward_mean", "pass@1", "loss", "seconds_sampling",
-                          "seconds_training")}}, indent=2))
+                          "seconds_training") or k.startswith("eval/")}}, indent=2))
     return 0

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     # refuse_no_signal: records that give the loss nothing to learn stop the command
     # (exit 2) unless train.allow_no_signal (data/signal.py).
     trainer = Trainer(config, records=args.records, progress=not args.no_progress,
-                      eval_hook=hook, refuse_no_signal=True)
+                      eval_hook=hook, eval_at_start=True, refuse_no_signal=True)
     try:
         result = trainer.run()
     except NonFiniteError as err:  # a diagnosis, not a crash: no traceback

@@ -65,7 +65,8 @@ class TrainConfig(Section):
     # their bytes (the AdamW moments stay float32); a run resumed from it starts from rounded
     # weights, so it is not bit-exact (a warning says so); export and evaluate read it as usual
     checkpoint_dtype: Literal["float32", "bfloat16"] = "float32"
-    # evaluate held-out pass@1 ± SE every this many steps (eval.* keys; `jaxrl-llm train`)
+    # evaluate held-out pass@1 ± SE before step 1, every this many steps (updates in `online`)
+    # and after the last one, one metrics row each (eval.* keys; `jaxrl-llm train` and `online`)
     eval_every: int | None = Field(None, gt=0)
     # Reference log-probs for DPO/RPO/KTO/A*-PO/off_rl_kl: precomputed in `batch.ref_logprobs`
     # ("batch") or computed in the train step from a frozen copy of the initial policy

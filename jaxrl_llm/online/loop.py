@@ -38,6 +38,7 @@ from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.core.signals import Interrupted
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.queue import StalenessQueue
@@ -52,6 +53,7 @@ from jaxrl_llm.online.rounds import (
 )
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxrl_llm.train.metrics_log import MetricsLogger
+from jaxrl_llm.train.preemption import StopSync
 from jaxrl_llm.train.state_items import state_items
 
 ONLINE_META = "online"
@@ -63,6 +65,9 @@ class OnlineResult:
     updates: int  # optimizer updates applied
     last: dict[str, Any]  # the last round's metrics row
     policy: Policy
+    stopped: bool = False  # a SIGTERM / Ctrl-C stopped it after a round, checkpointed
+    stop_signal: int | None = None
+    checkpoint: str | None = None  # the checkpoint the run ended on (resume from it)
 
 
 def check_config(config: OnlineConfig) -> None:
@@ -184,13 +189,26 @@ def shared_rewards(records: list[Record]) -> list[Record]:
 EvalHook = Callable[[int, Policy], dict[str, float]]
 
 
+def _evaluate(hook: EvalHook, updates: int, policy: Policy) -> dict[str, float]:
+    """The hook's numbers; none when a Ctrl-C stopped it (the signal stays noted: the loop
+    then stops after this round, checkpointed)."""
+    try:
+        return dict(hook(updates, policy) or {})
+    except Interrupted:
+        return {}
+
+
 def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
-               eval_hook: EvalHook | None = None, eval_every: int = 0) -> OnlineResult:
+               eval_hook: EvalHook | None = None, eval_every: int = 0,
+               eval_at_start: bool = False) -> OnlineResult:
     """Run (or resume) the online loop of `config` (module docstring) on `mesh` (default:
     the `mesh:` section over every device). `eval_hook(updates, policy)`, with
     `eval_every` > 0, is called at the end of every round whose update count reached a new
-    multiple of `eval_every` (and after the last update); the numbers it returns join that
-    round's metrics row as `eval/KEY`. Python API only (the experiments' probes)."""
+    multiple of `eval_every` (and after the last update), and with `eval_at_start` before the
+    first round of a fresh run (a row at step 0); the numbers it returns join that round's
+    metrics row as `eval/KEY` (`jaxrl-llm online` builds it from `train.eval_every` and the
+    `eval:` section). SIGTERM / Ctrl-C stop the run after the current round, checkpointed
+    (`OnlineResult.stopped`); the same call resumes."""
     if eval_hook is not None and eval_every <= 0:
         raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
 
@@ -214,8 +232,14 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     bar = progress_bar(total_rounds, desc="online", unit="round", enabled=progress and lead,
                        initial=run.round)
     last: dict[str, Any] = {}
+    stop = StopSync()  # every process stops after the same round (train/preemption.py)
+    stop.install()
+    stopped, saved = False, checkpointer.latest_step()
     try:
-        while run.round < total_rounds:
+        if eval_hook is not None and eval_at_start and run.round == 0:
+            last = logger.log(0, {f"eval/{k}": float(v)
+                                  for k, v in _evaluate(eval_hook, 0, policy).items()})
+        while run.round < total_rounds and not stopped:
             t0 = time.perf_counter()
             picked = [problems[i] for i in prompt_slice(run.position, o.prompts_per_round,
                                                         len(problems))]
@@ -244,19 +268,27 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
                     run.updates // eval_every > before // eval_every
                     or run.updates == total_updates):
                 metrics.update({f"eval/{k}": float(v)
-                                for k, v in eval_hook(run.updates, policy).items()})
+                                for k, v in _evaluate(eval_hook, run.updates, policy).items()})
             metrics.update(updates=run.updates, round_updates=len(steps), queued=len(run.queue),
                            mu_from_sampler=float(run.mu_source == "sampler"),
                            seconds_sampling=t1 - t0, seconds_scoring=t2 - t1,
                            seconds_training=t3 - t2, **({"pkpo_k": k} if k else {}))
             last = logger.log(run.round, metrics)
+            # The postfix first, without a redraw: one line per round in a log.
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", updates=run.updates,
+                            refresh=False)
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", updates=run.updates)
-            if checkpointer.should_save(run.round) or run.round == total_rounds:
+            stopped = stop.should_stop(run.round) and run.round < total_rounds
+            if checkpointer.should_save(run.round) or run.round == total_rounds or stopped:
                 checkpointer.save(run.round, state_items(policy.state), force=True, meta={
                     "config": experiment.model_dump(mode="json"), ONLINE_META: run.meta()})
+                saved = run.round
     finally:
+        stop.uninstall()
         bar.close()
         logger.close()
         checkpointer.close()
-    return OnlineResult(rounds=run.round, updates=run.updates, last=last, policy=policy)
+    return OnlineResult(
+        rounds=run.round, updates=run.updates, last=last, policy=policy, stopped=stopped,
+        stop_signal=stop.signum if stopped else None,
+        checkpoint=None if saved is None else str(checkpointer.directory / str(saved)))

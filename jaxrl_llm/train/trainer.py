@@ -41,7 +41,8 @@ from jaxrl_llm.config import ExperimentConfig, dump_config
 from jaxrl_llm.core.atomic import atomic_write_text
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.paths import PathLike, as_path
-from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.core.progress import progress_bar, set_status
+from jaxrl_llm.core.signals import Interrupted
 from jaxrl_llm.data.loader import loader_from_config
 from jaxrl_llm.data.signal import check_signal
 from jaxrl_llm.data.stages import check_mu, stage_input
@@ -95,7 +96,9 @@ class Trainer:
     records, else data.records; `data.stages.stage_input`) into `run_dir`
     (default `config.run_dir`); see the module docstring. `refuse_no_signal`: records that
     give the loss nothing to learn are refused unless `train.allow_no_signal` (else a
-    warning; data/signal.py)."""
+    warning; data/signal.py). With `train.eval_every`, `eval_hook` runs every `eval_every`
+    steps and after the last step (and at step 0 of a fresh run with `eval_at_start`); each
+    evaluation is its own metrics row at its own step."""
 
     def __init__(
         self,
@@ -112,6 +115,7 @@ class Trainer:
         tensorboard: bool = True,
         init_from: PathLike | None = None,
         refuse_no_signal: bool = False,
+        eval_at_start: bool = False,
     ) -> None:
         self.config = config
         # The configuration first (mesh, batch split, model source), then the data: a wrong
@@ -142,6 +146,7 @@ class Trainer:
             print(warning, file=sys.stderr)
         self.run_dir = as_path(run_dir if run_dir is not None else config.run_dir)
         self.eval_hook, self.on_batch, self.on_step = eval_hook, on_batch, on_step
+        self.eval_at_start = eval_at_start
         if config.train.record_trace:  # data-order audit (train/record_trace.py)
 
             self.on_batch = RecordTrace(self.run_dir, then=on_batch)
@@ -248,12 +253,13 @@ class Trainer:
             window.add(scalars)
             bar.update(1)
             bar.set_postfix(loss=f"{scalars['loss']:.4g}", refresh=False)
-            if extra is not None:
-                window.add({f"eval/{k}": v for k, v in extra.items()})
-            if at % cfg.log_every and at != cfg.steps:
+            # An evaluation ends the window: its numbers (an SE among them) are its step's
+            # own, never averaged with another evaluation's.
+            if at % cfg.log_every and at != cfg.steps and not extra:
                 return None
             elapsed = max(time.perf_counter() - t_window, 1e-9)
-            row = {**window.flush(), **guard.metrics()}
+            row = {**window.flush(), **guard.metrics(),
+                   **{f"eval/{k}": float(v) for k, v in (extra or {}).items()}}
             row["throughput/tokens_per_s"] = tokens / elapsed
             row["throughput/steps_per_s"] = steps_in / elapsed
             bar.set_postfix(loss=f"{row['loss']:.4g}",
@@ -261,7 +267,19 @@ class Trainer:
             tokens, steps_in, t_window = 0, 0, time.perf_counter()
             return logger.log(at, row)
 
+        def evaluate(at: int, state: Any) -> dict[str, float]:
+            # The bar counts steps one late (see below): say what the wait is for.
+            set_status(bar, f"evaluating step {at}", now=True)
+            try:
+                return dict(self.eval_hook(at, state) or {})
+            except Interrupted:  # Ctrl-C inside it: noted, so the loop stops after this step
+                return {}
+
+        evaluating = bool(cfg.eval_every and self.eval_hook)
         try:
+            if evaluating and self.eval_at_start and step == 0 and step < cfg.steps:
+                last_row = logger.log(0, {f"eval/{k}": float(v)
+                                          for k, v in evaluate(0, state).items()})
             stopped = False
             while step < cfg.steps and not stopped:
                 host, first = (first, None) if first is not None else (self._next_batch(), None)
@@ -273,8 +291,8 @@ class Trainer:
                 state, metrics = train_step(state, global_batch(host, self.mesh))
                 step += 1
                 extra = None
-                if cfg.eval_every and self.eval_hook and step % cfg.eval_every == 0:
-                    extra = self.eval_hook(step, state) or {}
+                if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    extra = evaluate(step, state)
                 # Step N's metrics are read once step N+1 is queued behind it, so the host never
                 # waits for the device inside the loop: logging, the non-finite stop and the
                 # bar run one step late (the stop raises at most one step later).

@@ -99,14 +99,21 @@ def test_eval_every_from_the_cli_logs_and_plots_held_out_pass_at_1(tmp_path: Pat
         "data: {records: recs, task: 'my_tasks.vowels:make_task'}\n"
         "generate: {max_new_tokens: 4, batch_size: 4}\n"
         "eval: {n: 4, num_questions: 6, temperature: 1.0}\n"
-        "train: {steps: 2, batch_size: 8, max_seq_len: 32, log_every: 1, eval_every: 2}\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    done = jaxrl(tmp_path, "train", "--config", "c.yaml", "--no-progress", **env)
+        "train: {steps: 4, batch_size: 8, max_seq_len: 32, eval_every: 2}\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "JAXRL_PROGRESS_INTERVAL_S": "0"}
+    done = jaxrl(tmp_path, "train", "--config", "c.yaml", **env)
     assert done.returncode == 0, done.stderr
+    # The bar says what the wait is for (it counts steps one late while a step evaluates).
+    assert "evaluating step 0" in done.stderr and "evaluating step 4" in done.stderr
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert "eval/pass_at_1" not in rows[0]
-    evaluated = rows[1]
-    # The same evaluation of the step-2 checkpoint by `jaxrl-llm evaluate` (same seed).
+    # log_every (default 10) > steps: one row per evaluation at its own step (0, 2, 4), each
+    # with its own SE, never two evaluations averaged into one row.
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    assert all("eval/pass_at_1_se" in r for r in rows) and "loss" not in rows[0]
+    assert all("loss" in r for r in rows[1:])
+    evaluated = rows[2]
+    # The same evaluation of the final (step-4) checkpoint by `jaxrl-llm evaluate` (same seed).
     done = jaxrl(tmp_path, "evaluate", "--config", "c.yaml", "--model", "run", "--out", "ev", **env)
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "ev/eval.json").read_text())
