@@ -10,7 +10,7 @@ One mechanism for every command (`cli.main` runs each one through `supervise`):
   error, or was lost).
 - A stage that keeps progress, or says what it kept, declares where it can stop: `with
   stop_point(what) as stop:` and `stop.check(stage)` at its safe points (`train` after a
-  step, which it checkpoints; `generate` and `evaluate` after a decode segment, about 2 s;
+  step and `online` after a round, which they checkpoint; `generate` and `evaluate` after a decode segment, about 2 s;
   `score` after a batch; vLLM after a chunk). The first SIGINT/SIGTERM inside one is noted
   ("stopping after <what>"; during a compile, the check comes once it returns, or, for the
   stages with a grace — generate, evaluate, score —, the command exits when the grace of a few
@@ -18,7 +18,7 @@ One mechanism for every command (`cli.main` runs each one through `supervise`):
   raises `Interrupted`, which `cli.main` turns into exit 128 + the signal number (130 for
   Ctrl-C, 143 for SIGTERM); re-running the command resumes. The signal stays noted until the
   command ends, so a later stage's first `check` stops it too.
-- Anywhere else (loading, compiling outside a stage, `curate`, `export`, `online`) the first
+- Anywhere else (loading, compiling outside a stage, `curate`, `export`) the first
   Ctrl-C exits 130 at once, as does a second Ctrl-C anywhere, and SIGTERM kills the process
   as it would without a handler (143 is a graceful stop): every output is written atomically
   (`jaxrl_llm/core/atomic.py`) and every command is safe against a kill at any point

@@ -232,7 +232,8 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     bar = progress_bar(total_rounds, desc="online", unit="round", enabled=progress and lead,
                        initial=run.round)
     last: dict[str, Any] = {}
-    stop = StopSync()  # every process stops after the same round (train/preemption.py)
+    # every process stops after the same round (train/preemption.py)
+    stop = StopSync(what="the current round and its checkpoint")
     stop.install()
     stopped, saved = False, checkpointer.latest_step()
     try:

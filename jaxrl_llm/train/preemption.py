@@ -51,8 +51,10 @@ class StopSync:
     both stop it (a `signals.stop_point`), except in JAX_SYNC mode, where JAX handles SIGTERM
     and a Ctrl-C on one host exits it at once."""
 
-    def __init__(self, mode: str | None = None) -> None:
+    def __init__(self, mode: str | None = None, *,
+                 what: str = "the current step and its checkpoint") -> None:
         self.mode = mode if mode is not None else sync_mode()
+        self.what = what  # what the first signal waits for ("stopping after <what>")
         self._signals = () if self.mode == JAX_SYNC else STOP_SIGNALS
         self._active = contextlib.ExitStack()
         self._point = None
@@ -73,7 +75,7 @@ class StopSync:
     def install(self) -> None:
         """Take the stop signals from here on (`uninstall` ends it)."""
         self._point = self._active.enter_context(
-            stop_point("the current step and its checkpoint", self._signals))
+            stop_point(self.what, self._signals))
 
     def uninstall(self) -> None:
         self._active.close()
