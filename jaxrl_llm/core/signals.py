@@ -10,8 +10,8 @@ One mechanism for every command (`cli.main` runs each one through `supervise`):
   error, or was lost).
 - A stage that keeps progress, or says what it kept, declares where it can stop: `with
   stop_point(what) as stop:` and `stop.check(stage)` at its safe points (`train` after a
-  step and `online` after a round, which they checkpoint; `generate` and `evaluate` after a decode segment, about 2 s;
-  `score` after a batch; vLLM after a chunk). The first SIGINT/SIGTERM inside one is noted
+  step and `online` after a round, which they checkpoint; `generate` and `evaluate` after a
+  decode segment, about 2 s; `score` after a batch; vLLM after a chunk). The first SIGINT/SIGTERM inside one is noted
   ("stopping after <what>"; during a compile, the check comes once it returns, or, for the
   stages with a grace — generate, evaluate, score —, the command exits when the grace of a few
   seconds runs out first, so that no Ctrl-C waits for XLA), and `check`
