@@ -19,6 +19,7 @@ import sys
 import textwrap
 
 from tests.faults.online_stage import ONLINE_YAML
+from tests.xla_flags import ONE_DEVICE
 
 # Sends SIGINT to itself at the first `__eq__` that JAX's jit cache calls from the sampler.
 _AT_STATIC_ARG_EQ = textwrap.dedent("""
@@ -50,7 +51,7 @@ def _single_host_env() -> dict[str, str]:
     `plan` compiles, can leave TPU ones behind, and `online` would then try to join a pod)."""
     launcher = ("SLURM_", "TPU_", "MEGASCALE_", "CLOUD_TPU_", "JAXRL_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
-    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ONE_DEVICE}
 
 
 def test_ctrl_c_in_a_jit_cache_lookup_exits_130(tmp_path):

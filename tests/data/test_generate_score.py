@@ -16,6 +16,7 @@ from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.models.tokenizer import char_tokenizer
 from jaxrl_llm.tasks import get_task
 from jaxrl_llm.train.score import score_records
+from tests.xla_flags import ONE_DEVICE
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +284,7 @@ def test_two_processes_score_disjoint_shards_like_one_process(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[2]
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(root)}
+    env = {**os.environ, "XLA_FLAGS": ONE_DEVICE, "PYTHONPATH": str(root)}
     worker = Path(__file__).with_name("score_mp_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), str(tmp_path / f"p{i}.json"),
                                str(src), str(full), str(src), str(resume)],

@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.xla_flags import ONE_DEVICE
+
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
 def run_smoke(script: str, cwd: Path, *extra: str) -> Path:
     out = cwd / "out" / Path(script).stem
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a user's machine
+    env["XLA_FLAGS"] = ONE_DEVICE  # one CPU device, as on a user's machine
     proc = subprocess.run([sys.executable, str(EXPERIMENTS / script), "--smoke", "--out", str(out),
                            *extra],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.xla_flags import ONE_DEVICE
+
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
@@ -28,7 +30,7 @@ def cache(tmp_path_factory) -> Path:
 def run_smoke(script: str, cwd: Path, cache: Path) -> tuple[Path, dict]:
     out = cwd / "out" / Path(script).stem
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a user's machine
+    env["XLA_FLAGS"] = ONE_DEVICE  # one CPU device, as on a user's machine
     proc = subprocess.run(
         [sys.executable, str(EXPERIMENTS / script), "--smoke", "--out", "out/" + out.name,
          "--cache", str(cache)],

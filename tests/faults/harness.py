@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.xla_flags import ONE_DEVICE
+
 POLL_S = 0.002  # trigger polling interval
 TIMEOUT_S = 300  # no tiny command takes this long; a hang fails the case
 
@@ -35,7 +37,7 @@ def base_env(cache_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "",  # one host device (tests/conftest.py forces 8 for the sharding tests)
+        "XLA_FLAGS": ONE_DEVICE,  # one host device (tests/conftest.py forces 8 for the sharding tests)
         "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",

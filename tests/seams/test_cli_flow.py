@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.xla_flags import ONE_DEVICE
+
 pytestmark = [pytest.mark.slow]
 
 # A model small enough to SFT in seconds on an easy arithmetic task (1 operation, operands
@@ -49,7 +51,7 @@ LOSS_NAMES = ("topr", "sft", "reinforce", "opr", "tis", "ppo", "grpo", "dr_grpo"
 def jaxrl(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`jaxrl-llm ARGS` as a user types it, from `cwd`, on the CPU."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one real CPU device, as on a user's machine
+    env["XLA_FLAGS"] = ONE_DEVICE  # one real CPU device, as on a user's machine
     exe = Path(sys.executable).with_name("jaxrl-llm")
     proc = subprocess.run([str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=900)

@@ -27,6 +27,7 @@ from jaxrl_llm.train.state import abstract_train_state, build_model, create_trai
 from jaxrl_llm.train.step import forward, make_loss_and_grad, make_train_step
 from jaxrl_llm.weights.lora_export import merge_lora
 from tests.parallel.helpers import B, V, make_batch
+from tests.xla_flags import ONE_DEVICE
 
 RANK, ALPHA = 4, 8.0
 ARCH = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "num_layers": 2,
@@ -212,7 +213,7 @@ train: {steps: 3, batch_size: 4, max_seq_len: 8, log_every: 1}
 
 def _jaxrl(cwd: Path, *args: str) -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ONE_DEVICE
     exe = Path(sys.executable).with_name("jaxrl-llm")
     proc = subprocess.run([str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=900)

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from jaxrl_llm.chain import check_chain, read_stages
+from tests.xla_flags import ONE_DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -108,7 +109,7 @@ def test_local_launcher_runs_the_cpu_chain(tmp_path):
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     shutil.copytree(ROOT / "launch", tmp_path / "launch")
     env = dict(os.environ, VENV=str(ROOT / ".venv"), PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ONE_DEVICE
     proc = subprocess.run(["bash", "launch/local.sh", "configs/generate_cpu_arithmetic.yaml"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

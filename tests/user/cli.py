@@ -8,13 +8,14 @@ import subprocess
 from pathlib import Path
 
 from tests.faults.harness import command
+from tests.xla_flags import ONE_DEVICE
 
 SMOLLM2_CONFIG = "model: {source: smollm2}\n"
 
 
 def user_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "3",
+    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ONE_DEVICE, "TF_CPP_MIN_LOG_LEVEL": "3",
                 "PYTHONUNBUFFERED": "1", **extra})
     return env
 

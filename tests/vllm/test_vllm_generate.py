@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.data.records import RecordError
+from tests.xla_flags import ONE_DEVICE
 
 pytestmark = [pytest.mark.slow]
 
@@ -42,7 +43,7 @@ data: {{task: arithmetic, num_prompts: 8, chat_template: true, records: data/rec
 def jaxrl(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("jaxrl-llm")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ONE_DEVICE
     return subprocess.run([str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=900)
 

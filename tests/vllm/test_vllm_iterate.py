@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.xla_flags import ONE_DEVICE
+
 pytestmark = [pytest.mark.slow]
 
 ITERATE_YAML = """\
@@ -43,7 +45,7 @@ iterate: {{iterations: 2, vllm_host: {host}}}
 
 def env() -> dict[str, str]:
     e = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    e.pop("XLA_FLAGS", None)
+    e["XLA_FLAGS"] = ONE_DEVICE
     return e
 
 
