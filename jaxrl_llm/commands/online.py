@@ -1,7 +1,9 @@
 """`jaxrl-llm online --config X`: sample → reward → group transform → update in one program
 (one process per host when multi-host: docs/online.md § Multi-host), the sampler and the
 trainer sharing the policy's weights, with `online.staleness` updates between sampling a
-batch and training on it (`online.loop.run_online`, docs/online.md). Re-running the same
+batch and training on it (`online.loop.run_online`, docs/online.md); with
+`online.sampler_devices` the sampler runs on its own devices, ahead of the trainer with
+`online.pipeline: deterministic` (`online.pipeline.run_pipeline`, docs/online.md § Pipeline). Re-running the same
 command resumes from the run's last checkpoint."""
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.online.config import OnlineConfig
     from jaxrl_llm.online.loop import run_online
+    from jaxrl_llm.online.pipeline import run_pipeline, wants_pipeline
 
     config = load_config(args.config, args.overrides, schema=OnlineConfig)
-    result = run_online(config, progress=not args.no_progress)
+    run = run_pipeline if wants_pipeline(config) else run_online
+    result = run(config, progress=not args.no_progress)
     print(json.dumps({"rounds": result.rounds, "updates": result.updates,
                       "run_dir": str(config.run_dir),
                       **{k: v for k, v in result.last.items() if k in (
