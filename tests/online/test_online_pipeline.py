@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.config import ConfigError, MeshConfig, config_from_dict
+from jaxrl_llm.eval.report import SERIES, write_report
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.loop import run_online
 from jaxrl_llm.online.pipeline import run_pipeline
 from jaxrl_llm.parallel.mesh import make_mesh
 from tests.online.helpers import ROOT, final_arrays, metric_rows, tiny, write_yaml
 
+SERIES_TITLES = {stem: title for stem, title, _, _ in SERIES}
 TIMING = ("time", "seconds_sampling", "seconds_scoring", "seconds_training")
 
 
@@ -93,6 +95,11 @@ def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: 
             assert r[key] >= 0, key
     # θ_0 … θ_3 are sampled with, each published once (θ_4 is never needed)
     assert sum(r["pipeline/syncs"] for r in rows) == 4
+    # `report` draws the lag and the time of each side
+    report = write_report(tmp_path / "cli/run")
+    for stem in ("pipeline_lag", "pipeline_lag_histogram", "pipeline_seconds"):
+        assert (report.parent / f"{stem}.png").is_file(), stem
+    assert f"![{SERIES_TITLES['pipeline_seconds']}]" in report.read_text()
 
 
 def test_split_placement_without_overlap_is_the_reference(tmp_path: Path) -> None:
@@ -118,6 +125,10 @@ def test_split_placement_without_overlap_is_the_reference(tmp_path: Path) -> Non
     assert _comparable(off_rows) == _comparable(rows)
     assert not [k for k in off if not np.array_equal(off[k], pipe[k])]
     ref = _state(tmp_path / "serial")[1]
+    ref_rows = metric_rows(tmp_path / "serial")
+    # the same tokens and rewards (μ's last bits differ, not the draws)
+    for key in ("reward_mean", "pass@1", "completion_length"):
+        assert [r.get(key) for r in ref_rows] == [r.get(key) for r in rows], key
     worst = max(float(np.max(np.abs(pipe[k] - ref[k]), initial=0)) for k in ref if "params" in k)
     print(f"max |Δparam| pipeline vs serial on the trainer's mesh: {worst:.3g}")
     # μ differs by ~1e-7 per token; Adam at lr 3e-2 turns that into parameter changes ≲ 1e-4
