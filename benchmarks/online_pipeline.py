@@ -4,13 +4,15 @@ machine, config and cores: updates per hour, trained tokens per second, and wher
 time goes.
 
 Both are the user's command as a subprocess pinned to the same cores (`taskset`): serial on one
-CPU device (XLA's intra-op threads use every pinned core), the pipeline on two CPU devices, one
-sampling and one training (`online.sampler_devices: 1`), staleness 2 in both. Rates are over the
+CPU device (XLA's intra-op threads use both pinned cores), the pipeline on two CPU devices, one
+sampling and one training (`online.sampler_devices: 1`), each computing on one thread
+(`--xla_cpu_multi_thread_eigen=false`: one core per side), staleness 2 in both. Rates are over the
 steady state: from the end of the first round that trained (its compiles) to the last row.
 Runs alternate serial / pipeline `--repeats` times (a shared machine's load moves).
 
     python benchmarks/online_pipeline.py [--testbeds quickstart smollm2] [--rounds 12]
-        [--repeats 2] [--cores 0,1] [--smoke] [--out benchmarks/results/online_pipeline.json]
+        [--repeats 2] [--smollm2-rounds 5] [--smollm2-repeats 1] [--cores 0,1] [--smoke]
+        [--out benchmarks/results/online_pipeline.json]
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ TESTBEDS: dict[str, dict[str, Any]] = {
         "model": {"source": "smollm2"},
         "optim": {"name": "adamw", "learning_rate": 1e-6, "clip_norm": 1.0},
         "data": {"task": "arithmetic", "num_prompts": 256},
-        "generate": {"n": 4, "temperature": 1.0, "max_new_tokens": 48, "batch_size": 2},
-        "train": {"batch_size": 8, "max_seq_len": 192},
+        "generate": {"n": 4, "temperature": 1.0, "max_new_tokens": 128, "batch_size": 2},
+        # prompts ≤ 72 tokens through its chat template, + 128 new
+        "train": {"batch_size": 8, "max_seq_len": 208},
     },
 }
 
@@ -76,8 +79,10 @@ def run(tree: dict[str, Any], cwd: Path, *, devices: int, cores: str) -> dict[st
         shutil.rmtree(cwd)
     cwd.mkdir(parents=True)
     (cwd / "online.yaml").write_text(yaml.safe_dump(tree))
+    # two devices = the pipeline: one compute thread per device, i.e. one core per side
+    flags = "" if devices == 1 else " --xla_cpu_multi_thread_eigen=false"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}{flags}"}
     pin = ["taskset", "-c", cores] if shutil.which("taskset") and cores else []
     start = time.perf_counter()
     out = subprocess.run([*pin, sys.executable, "-m", "jaxrl_llm.cli", "online", "--config",
@@ -117,21 +122,36 @@ def main() -> None:
     parser.add_argument("--testbeds", nargs="+", default=["quickstart", "smollm2"],
                         choices=sorted(TESTBEDS))
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--smollm2-rounds", type=int, default=5,
+                        help="SmolLM2's rounds (each about a minute here)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smollm2-repeats", type=int, default=1)
     parser.add_argument("--cores", default="0,1", help="taskset's core list for both runs")
     parser.add_argument("--smoke", action="store_true", help="3 rounds, 1 repeat (tests)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/online_pipeline.json"))
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.repeats = 3, 1
+        args.rounds, args.smollm2_rounds, args.repeats = 3, 3, 1
     results: dict[str, Any] = {}
+    out = {
+        "benchmark": "serial `online` (1 CPU device, 2 threads) against `online.pipeline: "
+                     "deterministic` (2 CPU devices: 1 samples, 1 trains, 1 thread each), "
+                     "staleness 2, TOPR, T = 1 until EOS or the cap, each a subprocess pinned "
+                     "to the same cores; steady-state rates after the first round that trained",
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "pinned_cores": args.cores, "python": platform.python_version()},
+        "rounds": {"quickstart": args.rounds, "smollm2": args.smollm2_rounds},
+        "repeats": {"quickstart": args.repeats, "smollm2": args.smollm2_repeats},
+        "results": results,
+    }
     with tempfile.TemporaryDirectory(prefix="online-pipeline-") as tmp:
         for testbed in args.testbeds:
             runs: dict[str, list[dict[str, Any]]] = {"serial": [], "pipeline": []}
-            for i in range(args.repeats):
+            for i in range(args.smollm2_repeats if testbed == "smollm2" else args.repeats):
                 for name in ("serial", "pipeline"):
                     pipe = name == "pipeline"
-                    done = run(config(testbed, args.rounds, pipeline=pipe),
+                    rounds = args.smollm2_rounds if testbed == "smollm2" else args.rounds
+                    done = run(config(testbed, rounds, pipeline=pipe),
                                Path(tmp) / f"{testbed}-{name}-{i}", devices=2 if pipe else 1,
                                cores=args.cores)
                     runs[name].append(summarize(done))
@@ -141,22 +161,14 @@ def main() -> None:
             tokens = {name: sum(r["trained_tokens_per_s"] for r in rs) / len(rs)
                       for name, rs in runs.items()}
             results[testbed] = {
-                "config": config(testbed, args.rounds, pipeline=True), "runs": runs,
+                "config": config(testbed, args.smollm2_rounds if testbed == "smollm2"
+                                 else args.rounds, pipeline=True), "runs": runs,
                 "updates_per_hour": {k: round(v, 1) for k, v in rate.items()},
                 "trained_tokens_per_s": {k: round(v, 1) for k, v in tokens.items()},
-                "speedup_updates_per_hour": round(rate["pipeline"] / rate["serial"], 2)}
-    out = {
-        "benchmark": "serial `online` (1 CPU device) against `online.pipeline: deterministic` "
-                     "(2 CPU devices: 1 samples, 1 trains), staleness 2, TOPR, T = 1 until EOS "
-                     "or the cap, each a subprocess pinned to the same cores; steady-state "
-                     "rates after the first round that trained",
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "pinned_cores": args.cores, "python": platform.python_version(),
-                    "load_average_at_end": list(os.getloadavg())},
-        "rounds": args.rounds, "repeats": args.repeats, "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+                "speedup_updates_per_hour": round(rate["pipeline"] / rate["serial"], 2),
+                "load_average_after": list(os.getloadavg())}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # after each testbed
+            Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({t: {k: v for k, v in r.items() if k not in ("config", "runs")}
                       for t, r in results.items()}))
 

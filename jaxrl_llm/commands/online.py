@@ -3,7 +3,8 @@
 trainer sharing the policy's weights, with `online.staleness` updates between sampling a
 batch and training on it (`online.loop.run_online`, docs/online.md); with
 `online.sampler_devices` the sampler runs on its own devices, ahead of the trainer with
-`online.pipeline: deterministic` (`online.pipeline.run_pipeline`, docs/online.md § Pipeline). Re-running the same
+`online.pipeline: deterministic` (`online.pipeline.run_pipeline`) or free-running with
+`online.pipeline: free` (`online.free.run_free`, docs/online.md § Pipeline). Re-running the same
 command resumes from the run's last checkpoint."""
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.online.config import OnlineConfig
+    from jaxrl_llm.online.free import run_free
     from jaxrl_llm.online.loop import run_online
     from jaxrl_llm.online.pipeline import run_pipeline, wants_pipeline
 
     config = load_config(args.config, args.overrides, schema=OnlineConfig)
-    run = run_pipeline if wants_pipeline(config) else run_online
+    run = (run_free if config.online.pipeline == "free" else
+           run_pipeline if wants_pipeline(config) else run_online)
     result = run(config, progress=not args.no_progress)
     print(json.dumps({"rounds": result.rounds, "updates": result.updates,
                       "run_dir": str(config.run_dir),

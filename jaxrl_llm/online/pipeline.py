@@ -32,6 +32,7 @@ from typing import Any
 import jax
 
 from jaxrl_llm.api import Policy, load_policy, transform_rewards
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
@@ -92,6 +93,15 @@ class Weights:
                 del self._versions[old]  # no later round samples with it
             return self._versions[version]
 
+    def newest(self) -> int:
+        """The newest published version (free-running mode), waiting for a first one."""
+        with self._cond:
+            while not self._versions:
+                if self._closed:
+                    raise _Stopped
+                self._cond.wait(POLL_S)
+            return max(self._versions)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -114,6 +124,7 @@ class SamplerSide:
         self.policy = Policy(policy.config, template, policy.tokenizer, placement.sampler)
         self.mu_source = mu_source
         self.bar: Any = None
+        self.free = False  # free-running: sample with the newest weights, not θ_U(r)
 
     def version(self, round_index: int) -> int:
         o = self.config.online
@@ -122,8 +133,8 @@ class SamplerSide:
 
     def sample(self, round_index: int, position: int) -> Sampled:
         o, g, d = self.config.online, self.config.generate, self.config.data
-        version = self.version(round_index)
         t0 = time.perf_counter()
+        version = self.weights.newest() if self.free else self.version(round_index)
         params, model_state = self.weights.take(version)
         self.policy.state = self.policy.state.replace(params=params, model_state=model_state)
         t1 = time.perf_counter()
@@ -154,22 +165,28 @@ class SamplerSide:
                     return
                 done = self.sample(r, position)
                 position = done.position
-                out.put(done)
+                while True:  # a bounded hand-over (free-running) blocks the sampler
+                    try:
+                        out.put(done, timeout=POLL_S)
+                        break
+                    except queues.Full:
+                        if stop.is_set():
+                            return
         except _Stopped:
             return
         except BaseException as e:  # the trainer raises it
             out.put(e)
 
 
-class _Feed:
+class Feed:
     """The trainer's end of the hand-over: the next round, from the thread or sampled here."""
 
     def __init__(self, side: SamplerSide, first: int, last: int, position: int,
-                 overlap: bool) -> None:
+                 overlap: bool, ahead: int = 0) -> None:
         self.side, self.next, self.position = side, first, position
         self.waited = 0.0
         self.stop = threading.Event()
-        self._out: queues.Queue[Any] = queues.Queue()
+        self._out: queues.Queue[Any] = queues.Queue(maxsize=ahead)  # 0: unbounded
         self._thread = None
         if overlap:
             self._thread = threading.Thread(target=side.run, name="online-sampler", daemon=True,
@@ -202,7 +219,7 @@ class _Feed:
             self._thread.join(timeout=60)
 
 
-def _probe(hook: Any, every: int, policy: Policy, before: int, after: int, total: int
+def probe(hook: Any, every: int, policy: Policy, before: int, after: int, total: int
            ) -> dict[str, float]:
     """`loop.run_online`'s eval_hook rule: probe when this round's updates reached a new
     multiple of `every`, or the last update."""
@@ -218,27 +235,73 @@ def wants_pipeline(config: OnlineConfig) -> bool:
     return config.online.pipeline != "off" or config.online.sampler_devices > 0
 
 
-def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
-                 eval_every: int = 0) -> Any:
-    """`loop.run_online` with the sampler on `online.sampler_devices` devices (module
-    docstring): the same result type, rows (plus `pipeline/*` columns) and checkpoints."""
-    if eval_hook is not None and eval_every <= 0:
-        raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
+@dataclass
+class Opened:
+    """What both pipeline modes set up: the trainer's policy on its devices, the run's position
+    (restored from the newest checkpoint, the serial loop's format) and the sampler side."""
+
+    config: OnlineConfig
+    experiment: Any
+    placement: Placement
+    policy: Policy
+    run: Any  # loop._Run
+    meta: dict[str, Any]  # the restored checkpoint's online meta ({} on a fresh run)
+    checkpointer: Checkpointer
+    side: SamplerSide
+    weights: Weights
+
+    def publish(self) -> float:
+        """θ_updates onto the sampler's devices; the trainer's pause in seconds."""
+        t0 = time.perf_counter()
+        state = self.policy.state
+        self.weights.put(self.run.updates, self.placement.publish(state.params, state.model_state))
+        return time.perf_counter() - t0
+
+    def logger(self) -> MetricsLogger:
+        c = self.config
+        return MetricsLogger(c.run_dir, resume_step=self.run.round, wandb=c.metrics,
+                             run_name=c.name, run_config=c.model_dump(mode="json"))
+
+    def close(self, feed: Feed, bar: Any, logger: MetricsLogger) -> None:
+        """Stop the sampler side, close the bars, the metrics and the checkpointer."""
+        feed.close()
+        for closing in (self.side.bar, bar, logger, self.checkpointer):
+            closing.close()
+
+    def result(self, last: dict[str, Any]) -> Any:
+        jax.block_until_ready(self.policy.state.params)
+        return loop.OnlineResult(rounds=self.run.round, updates=self.run.updates, last=last,
+                                 policy=self.policy)
+
+    def save(self, pending: list[list[Record]], **extra: Any) -> None:
+        self.run.queue = StalenessQueue(self.run.queue.staleness, pending)
+        self.checkpointer.save(self.run.round, state_items(self.policy.state), force=True, meta={
+            "config": self.experiment.model_dump(mode="json"),
+            loop.ONLINE_META: {**self.run.meta(), **extra}})
+
+
+def open_run(config: OnlineConfig) -> Opened:
+    """Checks (before any model is loaded), placement, policy, restore, sampler side."""
     loop.check_config(config)
     placement = make_placement(config)
     o, g, d = config.online, config.generate, config.data
     experiment = loop.experiment_of(config)
     policy = load_policy(config=experiment, mesh=placement.trainer)
     problems = policy.task.load(split=g.split, num=d.num_prompts, seed=config.seed)
-    total_updates = o.rounds * o.updates_per_round
-    total_rounds = o.rounds + math.ceil(o.staleness / o.updates_per_round)
     run = loop._Run(o.staleness)
     checkpointer = Checkpointer(as_path(config.run_dir) / CHECKPOINT_DIR, save_every=o.checkpoint_every,
                                 keep=config.train.keep_checkpoints, async_save=False,
                                 params_dtype=config.train.checkpoint_dtype)
+    meta: dict[str, Any] = {}
     if checkpointer.latest_step() is not None:
         loop._restore(policy, checkpointer, run)
-    pending: deque[list[Record]] = deque(run.queue.batches())
+        meta = checkpointer.read_meta(checkpointer.latest_step())[loop.ONLINE_META]
+        free = meta.get("mode") == "free"
+        if free != (o.pipeline == "free"):  # rows, rounds and the queue mean other things
+            raise ConfigError(
+                f"{checkpointer.directory} was written by online.pipeline="
+                f"{'free' if free else 'off/deterministic'} and cannot resume as "
+                f"online.pipeline={o.pipeline}: set it back, or start a new run_dir")
 
     def mu(side: SamplerSide, records: list[Record]) -> Any:
         state = loop._Run(0)
@@ -249,24 +312,37 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
 
     weights = Weights()
     side = SamplerSide(config, policy, placement, problems, weights, mu_source=run.mu_source, mu=mu)
+    return Opened(config, experiment, placement, policy, run, meta, checkpointer, side, weights)
+
+
+def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
+                 eval_every: int = 0) -> Any:
+    """`loop.run_online` with the sampler on `online.sampler_devices` devices (module
+    docstring): the same result type, rows (plus `pipeline/*` columns) and checkpoints."""
+    if eval_hook is not None and eval_every <= 0:
+        raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
+    if config.online.pipeline == "free":
+        raise ValueError("online.pipeline=free runs in online.free.run_free")
+    opened = open_run(config)
+    o = config.online
+    policy, run, side, checkpointer = opened.policy, opened.run, opened.side, opened.checkpointer
+    total_updates = o.rounds * o.updates_per_round
+    total_rounds = o.rounds + math.ceil(o.staleness / o.updates_per_round)
+    pending: deque[list[Record]] = deque(run.queue.batches())
     needed = {side.version(r) for r in range(run.round, total_rounds)}
     syncs: list[float] = []
 
     def publish() -> None:
         if run.updates in needed:
-            t0 = time.perf_counter()
-            weights.put(run.updates, placement.publish(policy.state.params,
-                                                       policy.state.model_state))
-            syncs.append(time.perf_counter() - t0)
+            syncs.append(opened.publish())
 
-    logger = MetricsLogger(config.run_dir, resume_step=run.round, wandb=config.metrics,
-                           run_name=config.name, run_config=config.model_dump(mode="json"))
+    logger = opened.logger()
     side.bar = progress_bar(total_rounds, desc="sampler", unit="round", enabled=progress,
                             initial=run.round)
     bar = progress_bar(total_updates, desc="trainer", unit="update", enabled=progress,
                        initial=run.updates)
     publish()
-    feed = _Feed(side, run.round, total_rounds, run.position, overlap=o.pipeline != "off")
+    feed = Feed(side, run.round, total_rounds, run.position, overlap=o.pipeline != "off")
     sampled: dict[int, Sampled] = {}
     last: dict[str, Any] = {}
     try:
@@ -295,7 +371,7 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
             run.round, run.position, run.mu_source = this.round + 1, this.position, this.mu_source
             metrics = dict(this.metrics)
             metrics.update(mean_metrics(steps))
-            metrics.update(_probe(eval_hook, eval_every, policy, run.updates - len(steps),
+            metrics.update(probe(eval_hook, eval_every, policy, run.updates - len(steps),
                                   run.updates, total_updates))
             metrics.update(updates=run.updates, round_updates=len(steps), queued=len(pending),
                            mu_from_sampler=float(run.mu_source == "sampler"),
@@ -312,14 +388,7 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
             syncs.clear()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round)
             if checkpointer.should_save(run.round) or run.round == total_rounds:
-                run.queue = StalenessQueue(o.staleness, list(pending))
-                checkpointer.save(run.round, state_items(policy.state), force=True, meta={
-                    "config": experiment.model_dump(mode="json"), loop.ONLINE_META: run.meta()})
+                opened.save(list(pending))
     finally:
-        feed.close()
-        side.bar.close()
-        bar.close()
-        logger.close()
-        checkpointer.close()
-    jax.block_until_ready(policy.state.params)
-    return loop.OnlineResult(rounds=run.round, updates=run.updates, last=last, policy=policy)
+        opened.close(feed, bar, logger)
+    return opened.result(last)

@@ -21,8 +21,13 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
     """Refuse a pipeline or a device split the loop cannot run, naming the key and the fix
     (before any model is loaded)."""
     o = config.online
+    if o.pipeline == "free" and o.staleness:
+        raise ConfigError(
+            f"online.pipeline=free bounds the lag with online.max_staleness, not "
+            f"online.staleness={o.staleness} (no fixed queue): set online.staleness: 0 and "
+            "online.max_staleness, or use online.pipeline: deterministic")
     if o.pipeline != "off":
-        if o.staleness < 1:
+        if o.pipeline == "deterministic" and o.staleness < 1:
             raise ConfigError(
                 "online.pipeline=deterministic needs online.staleness >= 1 (it is 0): at "
                 "staleness 0 update u trains on the batch θ_u samples, so sampling cannot start "
@@ -30,7 +35,7 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
                 "more), or online.pipeline: off")
         if o.sampler_devices < 1:
             raise ConfigError(
-                "online.pipeline=deterministic runs the sampler on its own devices: set "
+                f"online.pipeline={o.pipeline} runs the sampler on its own devices: set "
                 f"online.sampler_devices to 1 … {len(devices) - 1} (of the {len(devices)} "
                 "devices; the rest train)")
     if o.sampler_devices and jax.process_count() > 1:

@@ -18,6 +18,7 @@ import pytest
 from jaxrl_llm.config import ConfigError, MeshConfig, config_from_dict
 from jaxrl_llm.eval.report import SERIES, write_report
 from jaxrl_llm.online.config import OnlineConfig
+from jaxrl_llm.online.free import run_free
 from jaxrl_llm.online.loop import run_online
 from jaxrl_llm.online.pipeline import run_pipeline
 from jaxrl_llm.parallel.mesh import make_mesh
@@ -164,3 +165,41 @@ def test_the_serial_loop_refuses_a_split_placement_instead_of_ignoring_it(tmp_pa
     tree = tiny(tmp_path / "bad", online={"sampler_devices": 2})
     with pytest.raises(ConfigError, match="run_pipeline"):
         run_online(config_from_dict(tree, schema=OnlineConfig), progress=False)
+
+
+def test_free_running_keeps_the_bound_and_accounts_for_every_sample(tmp_path: Path) -> None:
+    # Not reproducible (which batch meets which weights is timing): the bound and the
+    # accounting are what hold in every run. max_staleness 0: a batch trains only on the
+    # weights that sampled it, so every batch sampled before the last update is dropped.
+    _needs_eight()
+    tree = tiny(tmp_path / "free", mesh={"data": 2, "fsdp": 2},
+                online={"rounds": 4, "pipeline": "free", "max_staleness": 0,
+                        "sampler_devices": 4, "checkpoint_every": 2})
+    result = run_free(config_from_dict(tree, schema=OnlineConfig), progress=False)
+    assert result.updates == result.rounds == 4
+    rows = metric_rows(tmp_path / "free")
+    assert len(rows) == 4 and [r["updates"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["pipeline/lag_max"] == 0.0  # the bound
+        assert r["pipeline/lag_hist_0"] == 8.0  # the round's one update trained 8 samples
+        assert r["pipeline/received_total"] == (r["pipeline/trained_total"]
+                                                + r["pipeline/dropped_total"]
+                                                + r["pipeline/waiting"])
+        assert r["pipeline/received_total"] % 8 == 0
+    assert [r["pipeline/trained_total"] for r in rows] == [8.0, 16.0, 24.0, 32.0]
+    assert sum(r["pipeline/dropped"] for r in rows) == rows[-1]["pipeline/dropped_total"]
+    assert rows[-1]["pipeline/sampled_rounds"] * 8 == rows[-1]["pipeline/received_total"]
+    meta = json.loads((tmp_path / "free/checkpoints/4/meta/metadata").read_text())["online"]
+    assert len(meta["versions"]) == len(meta["queue"]) == rows[-1]["pipeline/waiting"] / 8
+    assert all(0 <= v <= 4 for v in meta["versions"])
+    # its checkpoint does not resume as the deterministic pipeline (rounds mean other things)
+    tree["online"].update(pipeline="deterministic", staleness=1, rounds=5)
+    with pytest.raises(ConfigError, match="written by online.pipeline=free"):
+        run_pipeline(config_from_dict(tree, schema=OnlineConfig), progress=False)
+
+
+def test_free_running_refuses_a_fixed_staleness(tmp_path: Path) -> None:
+    tree = tiny(tmp_path / "bad", online={"pipeline": "free", "staleness": 2, "sampler_devices": 1})
+    with pytest.raises(ConfigError, match="online.max_staleness"):
+        run_free(config_from_dict(tree, schema=OnlineConfig), progress=False)
+    assert not (tmp_path / "bad").exists()
