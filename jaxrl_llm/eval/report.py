@@ -47,6 +47,8 @@ SERIES = (
      "updates between the sampling weights and the update", (r"(^|/)pipeline/lag_(min|mean|max)$",)),
     ("pipeline_lag_histogram", "Samples trained at each version lag (online pipeline)",
      "samples in the round at lag L", (r"(^|/)pipeline/lag_hist_\d+$",)),
+    ("pipeline_samples", "Samples handed over, trained, dropped as too stale (free-running pipeline)",
+     "samples (running totals)", (r"(^|/)pipeline/(received|trained|dropped)_total$",)),
     ("pipeline_seconds", "Busy, waiting and syncing weights, per side (online pipeline)",
      "seconds in the round", (r"(^|/)pipeline/(sampler|trainer)_(busy|wait|sync)_s$",
                               r"(^|/)pipeline/sync_pause_max_s$")),

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -19,8 +20,10 @@ from jaxrl_llm.config import ConfigError, MeshConfig, config_from_dict
 from jaxrl_llm.eval.report import SERIES, write_report
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.free import run_free
+from jaxrl_llm.online.lag import weights_version
 from jaxrl_llm.online.loop import run_online
 from jaxrl_llm.online.pipeline import run_pipeline
+from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.parallel.mesh import make_mesh
 from tests.online.helpers import ROOT, final_arrays, metric_rows, tiny, write_yaml
 
@@ -36,6 +39,31 @@ def _comparable(rows: list[dict]) -> list[dict]:
 
 def _state(run_dir: Path) -> tuple[int, dict[str, np.ndarray]]:
     return final_arrays(run_dir)
+
+
+@pytest.mark.parametrize(("per_round", "staleness", "rounds"),
+                         [(1, 1, 5), (1, 3, 6), (2, 1, 4), (2, 3, 4), (3, 2, 3), (2, 4, 3)])
+def test_weights_version_is_what_the_serial_queue_does(per_round: int, staleness: int,
+                                                       rounds: int) -> None:
+    # Brute force: run the serial loop's queue (push a round's batches, pop while it holds
+    # more than s, stop at the last update) and record which weights sampled each round and
+    # which batch each update trains on; `weights_version` and the lag must say the same.
+    total = rounds * per_round
+    queue, updates, sampled_by, trained = StalenessQueue(staleness), 0, [], []
+    for r in range(rounds + -(-staleness // per_round)):
+        sampled_by.append(updates)
+        for j in range(per_round):
+            queue.push([r * per_round + j])  # a "batch" is its own index here
+        while queue.ready() and updates < total:
+            trained.append(queue.pop()[0])
+            updates += 1
+    version = partial(weights_version, updates_per_round=per_round, staleness=staleness,
+                      total_updates=total)
+    assert [version(r) for r in range(len(sampled_by))] == sampled_by
+    assert trained == list(range(total))  # update u trains batch u (FIFO)
+    lags = [u - version(u // per_round) for u in range(total)]
+    assert lags == [u - sampled_by[u // per_round] for u in range(total)]
+    assert max(lags) == staleness + per_round - 1  # batch j of a round is j updates older
 
 
 def _needs_eight() -> None:
@@ -192,6 +220,7 @@ def test_free_running_keeps_the_bound_and_accounts_for_every_sample(tmp_path: Pa
     meta = json.loads((tmp_path / "free/checkpoints/4/meta/metadata").read_text())["online"]
     assert len(meta["versions"]) == len(meta["queue"]) == rows[-1]["pipeline/waiting"] / 8
     assert all(0 <= v <= 4 for v in meta["versions"])
+    assert (write_report(tmp_path / "free").parent / "pipeline_samples.png").is_file()
     # its checkpoint does not resume as the deterministic pipeline (rounds mean other things)
     tree["online"].update(pipeline="deterministic", staleness=1, rounds=5)
     with pytest.raises(ConfigError, match="written by online.pipeline=free"):
