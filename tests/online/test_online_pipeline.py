@@ -71,6 +71,7 @@ def _needs_eight() -> None:
         pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
 
 
+@pytest.mark.slow  # a CLI subprocess on 8 devices and an in-process serial run (~20-40 s)
 def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: Path) -> None:
     # The serial loop on the trainer's 4 devices (data 2 × fsdp 2) against `jaxrl-llm online`
     # with the first 4 of 8 devices sampling ahead: the sampler's mesh has the trainer's
