@@ -1,7 +1,10 @@
 """`jaxrl-llm online --config X`: sample → reward → group transform → update in one program
 (one process per host when multi-host: docs/online.md § Multi-host), the sampler and the
 trainer sharing the policy's weights, with `online.staleness` updates between sampling a
-batch and training on it (`online.loop.run_online`, docs/online.md). Re-running the same
+batch and training on it (`online.loop.run_online`, docs/online.md); with
+`online.sampler_devices` the sampler runs on its own devices, ahead of the trainer with
+`online.pipeline: deterministic` (`online.pipeline.run_pipeline`) or free-running with
+`online.pipeline: free` (`online.free.run_free`, docs/online.md § Pipeline). Re-running the same
 command resumes from the run's last checkpoint."""
 
 from __future__ import annotations
@@ -23,10 +26,18 @@ def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.core.signals import exit_code, signal_name
     from jaxrl_llm.online.config import OnlineConfig
+    from jaxrl_llm.online.free import run_free
     from jaxrl_llm.online.loop import run_online
+    from jaxrl_llm.online.pipeline import run_pipeline, wants_pipeline
 
     config = load_config(args.config, args.overrides, schema=OnlineConfig)
     hook, every = None, config.train.eval_every or 0
+    if every and config.online.pipeline == "free":
+        from jaxrl_llm.core.errors import ConfigError
+
+        raise ConfigError("train.eval_every: online.pipeline=free has no update count to "
+                          "evaluate at (its batches are dropped as they age); unset "
+                          "train.eval_every, or use online.pipeline=deterministic")
     if every:  # held-out pass@1 ± SE before, every eval_every updates, after (as `train`)
         from jaxrl_llm.eval.during_training import make_eval_hook
         from jaxrl_llm.policy.opener import open_tokenizer
@@ -36,8 +47,14 @@ def run(args: argparse.Namespace) -> int:
         def hook(updates: int, policy: Any) -> Any:
             return evaluate(updates, policy.state)
 
-    result = run_online(config, progress=not args.no_progress, eval_hook=hook, eval_every=every,
-                        eval_at_start=bool(every))
+    if config.online.pipeline == "free":
+        result = run_free(config, progress=not args.no_progress)
+    elif wants_pipeline(config):
+        result = run_pipeline(config, progress=not args.no_progress, eval_hook=hook,
+                              eval_every=every)
+    else:
+        result = run_online(config, progress=not args.no_progress, eval_hook=hook,
+                            eval_every=every, eval_at_start=bool(every))
     if result.stopped:
         print(f"jaxrl-llm online: stopped by {signal_name(result.stop_signal)} after round "
               f"{result.rounds} ({result.updates} updates); checkpoint {result.checkpoint}; "

@@ -41,6 +41,17 @@ SERIES = (
     ("logprob_drift", "Log-prob drift: correct vs incorrect (FPA arXiv:2509.19893 Fig. 2)", "log π − log μ (nats); FPA: π^(1/|y|)",
      (r"drift", r"log_ratio_mean_(pos|neg)$", r"pi(_hat)?_norm_mean_(correct|incorrect)$")),
     ("clipped_fractions", "Clipped fractions", "fraction of records in the batch", (r"clip",)),
+    # `online.pipeline` (docs/online.md § Pipeline): how stale each trained sample was and
+    # where each side's time went (`step` is the online round)
+    ("pipeline_lag", "Version lag of the trained samples (online pipeline)",
+     "updates between the sampling weights and the update", (r"(^|/)pipeline/lag_(min|mean|max)$",)),
+    ("pipeline_lag_histogram", "Samples trained at each version lag (online pipeline)",
+     "samples in the round at lag L", (r"(^|/)pipeline/lag_hist_\d+$",)),
+    ("pipeline_samples", "Samples handed over, trained, dropped as too stale (free-running pipeline)",
+     "samples (running totals)", (r"(^|/)pipeline/(received|trained|dropped)_total$",)),
+    ("pipeline_seconds", "Busy, waiting and syncing weights, per side (online pipeline)",
+     "seconds in the round", (r"(^|/)pipeline/(sampler|trainer)_(busy|wait|sync)_s$",
+                              r"(^|/)pipeline/sync_pause_max_s$")),
     ("effective_positive_fraction", "Effective positive fraction (TOPR arXiv:2503.14286 eq. 12)", "p̃ (fraction of the batch's weight)",
      (r"effective_pos",)),
 )

@@ -35,6 +35,19 @@ class OnlineSection(Section):
                                      "repeats; e.g. [8, 8, 4, 1] anneals); None = data.pkpo_k")
     pass_k: list[int] = Field(default_factory=lambda: [1], description="k of the per-round "
                               "pass@k metrics (each ≤ generate.n; generate.n is always logged)")
+    pipeline: Literal["off", "deterministic", "free"] = Field(
+        "off", description="off: sample then train, in turn. deterministic: the sampler runs "
+        "ahead on its own devices (online.sampler_devices) while the trainer trains, the same "
+        "computation as off (update u trains on θ_{u−staleness}'s batch); needs staleness ≥ 1. "
+        "free: the sampler always uses the newest weights and the trainer drops batches more "
+        "than online.max_staleness updates old (not reproducible) (docs/online.md § Pipeline)")
+    max_staleness: int = Field(4, ge=0, description="pipeline: free: the largest version lag "
+                               "(updates since the weights that sampled a batch) the trainer "
+                               "trains on; older batches are dropped and counted")
+    sampler_devices: int = Field(0, ge=0, description="devices (the first N of this host's) "
+                                 "the sampler runs on, the rest train (mesh: over the rest); "
+                                 "0 = the sampler shares the trainer's devices. Weights move "
+                                 "between them in memory")
     checkpoint_every: int = Field(1, gt=0, description="rounds between checkpoints (params, "
                                   "optimizer, RNG, queued samples, prompt position)")
 

@@ -211,6 +211,10 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     (`OnlineResult.stopped`); the same call resumes."""
     if eval_hook is not None and eval_every <= 0:
         raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
+    if config.online.pipeline != "off" or config.online.sampler_devices:
+        raise ConfigError("online.pipeline / online.sampler_devices place the sampler on its "
+                          "own devices: run it with jaxrl_llm.online.pipeline.run_pipeline "
+                          "(`jaxrl-llm online` does)")
 
     check_config(config)
     o, g, d = config.online, config.generate, config.data

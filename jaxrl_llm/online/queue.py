@@ -65,6 +65,10 @@ class StalenessQueue:
                              f"{self.staleness}")
         return self._batches.popleft()
 
+    def batches(self) -> list[list[Record]]:
+        """The queued batches, oldest first (copies of the lists, the same records)."""
+        return [list(b) for b in self._batches]
+
     def to_json(self) -> list[list[dict[str, Any]]]:
         return [[record_to_json(r) for r in batch] for batch in self._batches]
 

@@ -1,6 +1,6 @@
-"""Exact resume of `jaxrl-llm online`: SIGKILL mid-run, then the same command, ends in the
-same state as an uninterrupted run — params, optimizer state, step and RNG bit for bit, and
-the same metric rows — with a non-empty staleness queue in the checkpoint it resumed from."""
+"""Exact resume of `jaxrl-llm online` (the serial loop, and the pipeline with its sampler
+thread ahead): SIGKILL mid-run, then the same command, ends in the same state as an
+uninterrupted run — params, optimizer state, step and RNG bit for bit, and the same metric rows — with a non-empty staleness queue in the checkpoint it resumed from."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 TIMING = ("time", "seconds_sampling", "seconds_scoring", "seconds_training")
 
 
-def _setup(directory: Path) -> list[str]:
+def _setup(directory: Path, **online: object) -> list[str]:
     directory.mkdir()
     tree = tiny(Path("run"), online={"rounds": 4, "staleness": 2, "checkpoint_every": 1,
-                                     "mu_source": "trainer"},
+                                     "mu_source": "trainer", **online},
                 loss={"name": "topr"}, train={"keep_checkpoints": 100})
     write_yaml(directory / "online.yaml", tree)
     return ["online", "--config", "online.yaml", "--no-progress"]
@@ -37,7 +37,10 @@ def _committed(step: int):
 
 
 def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    """Rows without timing (the pipeline's: its seconds and sync counts; lags and versions kept)."""
+    return [{k: v for k, v in r.items() if k not in TIMING and (
+        not k.startswith("pipeline/") or k.startswith("pipeline/lag") or k == "pipeline/version")}
+        for r in rows]
 
 
 @pytest.mark.parametrize("point", [2, 4])
@@ -74,3 +77,38 @@ def test_sigkill_then_same_command_gives_the_uninterrupted_state(tmp_path: Path,
                "same command", runs=1, failures=failures,
                detail="final params, optimizer state, step, RNG bitwise equal to an "
                "uninterrupted run; metric rows equal; staleness 2 (queue of 2 batches saved)")
+
+
+@pytest.mark.parametrize("point", [1, 3])
+def test_sigkill_of_the_pipeline_then_same_command_gives_the_uninterrupted_state(
+        tmp_path: Path, point: int) -> None:
+    # online.pipeline: deterministic on 1 sampler + 1 trainer device: the kill lands while
+    # the sampler thread has sampled rounds the trainer has not trained on (lost, resampled)
+    env = base_env(tmp_path / "jax-cache")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    pipe = {"pipeline": "deterministic", "sampler_devices": 1}
+    args = _setup(tmp_path / "whole", **pipe)
+    cli(args, cwd=tmp_path / "whole", env=env)
+    _setup(tmp_path / "killed", **pipe)
+    kill = interrupt(args, cwd=tmp_path / "killed", env=env, sig=signal.SIGKILL,
+                     trigger=when(_committed(point), f"round {point}'s checkpoint committed"))
+    failures = 0
+    try:
+        assert kill.landed and kill.returncode == -signal.SIGKILL, kill.describe()
+        cli(args, cwd=tmp_path / "killed", env=env)
+        step_a, whole = final_arrays(tmp_path / "whole" / "run")
+        step_b, resumed = final_arrays(tmp_path / "killed" / "run")
+        assert step_a == step_b == 6 and whole.keys() == resumed.keys()
+        assert not [k for k in whole if not np.array_equal(whole[k], resumed[k])]
+        rows = metric_rows(tmp_path / "whole/run")
+        assert [r.get("pipeline/lag_max") for r in rows] == [None, None, 0.0, 1.0, 2.0, 2.0]
+        assert _comparable(rows) == _comparable(metric_rows(tmp_path / "killed/run"))
+    except AssertionError:
+        failures = 1
+        raise
+    finally:
+        record("fault injection", f"online pipeline: SIGKILL after round {point}'s "
+               "checkpoint (sampler thread ahead), then the same command", runs=1,
+               failures=failures, detail="final params, optimizer state, step, RNG bitwise "
+               "equal to an uninterrupted pipeline run; metric rows (lag, versions) equal; "
+               "staleness 2, 1 sampler + 1 trainer device")

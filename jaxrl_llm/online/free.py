@@ -1,0 +1,105 @@
+"""The free-running pipeline (`online.pipeline: free`, docs/online.md § Pipeline): what the
+asynchronous RL systems do. The sampler (its own devices, its own thread) always samples with
+the newest weights the trainer has published; the trainer publishes after every update and
+trains on the oldest waiting batch whose version lag (updates since the weights that sampled
+it) is at most `online.max_staleness`, dropping older ones (counted). Which batch meets which
+weights depends on timing, so a run is not reproducible; its accounting is: every sample
+handed over is trained, dropped or still waiting, and every trained lag is within the bound.
+
+Rows are per trainer round (`updates_per_round` updates): the reward metrics of the trained
+samples, the step metrics, the lag statistics and histogram, the per-side seconds, and the
+counters `pipeline/received_total`, `pipeline/trained_total`, `pipeline/dropped_total`,
+`pipeline/dropped`, `pipeline/waiting`. A checkpoint keeps the waiting batches with their
+versions, and a resumed run goes on from there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from jaxrl_llm.core.progress import progress_bar
+from jaxrl_llm.data.records import Record
+from jaxrl_llm.online.config import OnlineConfig
+from jaxrl_llm.online.lag import lag_metrics, side_seconds
+from jaxrl_llm.online.pipeline import Feed, open_run
+from jaxrl_llm.online.rounds import mean_metrics, reward_metrics
+
+NO_END = 2**62  # the sampler's last round: it samples until the trainer stops it
+
+
+def run_free(config: OnlineConfig, *, progress: bool = True) -> Any:
+    """The free-running loop (module docstring) of `config`; `loop.OnlineResult`."""
+    if config.online.pipeline != "free":
+        raise ValueError(f"online.pipeline={config.online.pipeline}: run_free runs "
+                         "online.pipeline: free (pipeline.run_pipeline runs the others)")
+    opened = open_run(config)
+    o, g = config.online, config.generate
+    policy, run, side, checkpointer = opened.policy, opened.run, opened.side, opened.checkpointer
+    side.free = True
+    total_updates = o.rounds * o.updates_per_round
+    batch = config.train.batch_size
+    versions = opened.meta.get("versions", [])
+    pending: deque[tuple[int, list[Record]]] = deque(zip(versions, run.queue.batches(), strict=True))
+    counts = {k: int(opened.meta.get(k, 0)) for k in ("received_total", "trained_total",
+                                                      "dropped_total", "sampled_rounds")}
+    logger = opened.logger()
+    side.bar = progress_bar(None, desc="sampler", unit="round", enabled=progress,
+                            initial=counts["sampled_rounds"])
+    bar = progress_bar(total_updates, desc="trainer", unit="update", enabled=progress,
+                       initial=run.updates)
+    syncs = [opened.publish()]
+    # at most enough rounds ahead to cover the bound: the sampler waits beyond that
+    feed = Feed(side, counts["sampled_rounds"], NO_END, run.position, overlap=True,
+                ahead=max(1, -(-(o.max_staleness + 1) // o.updates_per_round)))
+    last: dict[str, Any] = {}
+    try:
+        while run.round < o.rounds:
+            waited = feed.waited
+            steps, lags, trained, dropped, busy = [], [], [], 0, 0.0
+            sampler = {"sampler_busy": 0.0, "sampler_wait": 0.0}
+            for _ in range(o.updates_per_round):
+                while True:
+                    while not pending:
+                        done = feed.get()
+                        pending.extend((done.version, b) for b in done.batches)
+                        counts["received_total"] += sum(map(len, done.batches))
+                        counts["sampled_rounds"] = done.round + 1
+                        run.position, run.mu_source = done.position, done.mu_source
+                        for key in sampler:
+                            sampler[key] += done.seconds[key]
+                    version, records = pending.popleft()
+                    if run.updates - version <= o.max_staleness:
+                        break
+                    dropped += len(records)  # too old for the bound: never trained
+                t0 = time.perf_counter()
+                steps.append(policy.step(records))
+                busy += time.perf_counter() - t0
+                lags.append(run.updates - version)
+                trained.extend(records)
+                run.updates += 1
+                bar.update(1)
+                syncs.append(opened.publish())
+            run.round += 1
+            counts["trained_total"] += len(trained)
+            counts["dropped_total"] += dropped
+            metrics = reward_metrics(trained, g.n, o.pass_k)
+            metrics.update(mean_metrics(steps))
+            metrics.update(updates=run.updates, round_updates=len(steps),
+                           queued=len(pending), mu_from_sampler=float(run.mu_source == "sampler"),
+                           seconds_training=busy, **lag_metrics(lags, batch),
+                           **side_seconds(trainer_busy=busy, trainer_wait=feed.waited - waited,
+                                          syncs=syncs, **sampler),
+                           **{f"pipeline/{k}": float(v) for k, v in counts.items()},
+                           **{"pipeline/dropped": float(dropped),
+                              "pipeline/waiting": float(sum(len(b) for _, b in pending))})
+            last = logger.log(run.round, metrics)
+            syncs = []
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", dropped=counts["dropped_total"])
+            if checkpointer.should_save(run.round) or run.round == o.rounds:
+                opened.save([b for _, b in pending], mode="free",
+                            versions=[v for v, _ in pending], **counts)
+    finally:
+        opened.close(feed, bar, logger)
+    return opened.result(last)

@@ -1,0 +1,42 @@
+"""The staleness schedule as version numbers, and the pipeline's per-round lag and time
+columns (docs/online.md § Pipeline). Pure functions."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+LAG = "pipeline/lag"  # column prefix of the lag statistics and histogram
+
+
+def weights_version(round_index: int, *, updates_per_round: int, staleness: int,
+                    total_updates: int) -> int:
+    """The updates applied before round `round_index` (0-based) of the serial loop, i.e. the
+    weights θ_v that sample it: round r pushes `updates_per_round` batches, and the queue
+    releases every batch beyond `staleness` (until `total_updates`)."""
+    return min(total_updates, max(0, round_index * updates_per_round - staleness))
+
+
+def lag_metrics(lags: Sequence[int], batch_size: int) -> dict[str, float]:
+    """The version lag (update index − version of the weights that sampled its batch) of
+    each trained sample of a round: min / mean / max, and `pipeline/lag_hist_L` = how many of
+    the round's samples were L versions old. Empty: no columns (a queue-filling round)."""
+    if not lags:
+        return {}
+    out = {f"{LAG}_min": float(min(lags)), f"{LAG}_mean": float(sum(lags) / len(lags)),
+           f"{LAG}_max": float(max(lags))}
+    for lag, updates in sorted(Counter(lags).items()):
+        out[f"{LAG}_hist_{lag}"] = float(updates * batch_size)
+    return out
+
+
+def side_seconds(*, sampler_busy: float, sampler_wait: float, trainer_busy: float,
+                 trainer_wait: float, syncs: Sequence[float]) -> dict[str, float]:
+    """The round's time columns of each side: busy (sampling + μ + transform / the train
+    steps), waiting (for weights / for a batch) and the trainer's pause per weight sync."""
+    out = {"pipeline/sampler_busy_s": sampler_busy, "pipeline/sampler_wait_s": sampler_wait,
+           "pipeline/trainer_busy_s": trainer_busy, "pipeline/trainer_wait_s": trainer_wait,
+           "pipeline/trainer_sync_s": float(sum(syncs)), "pipeline/syncs": float(len(syncs))}
+    if syncs:
+        out["pipeline/sync_pause_max_s"] = float(max(syncs))
+    return out

@@ -1,0 +1,93 @@
+"""Where the online loop's two sides run on one host (docs/online.md § Pipeline): the first
+`online.sampler_devices` devices sample, the rest train; weights move from the trainer's
+sharding to the sampler's in memory (`Placement.publish`: a resharding `device_put`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.online.config import OnlineConfig
+from jaxrl_llm.parallel.mesh import AxisSizes, make_mesh, resolve_mesh_shape
+from jaxrl_llm.parallel.rules import state_shardings
+
+
+def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
+    """Refuse a pipeline or a device split the loop cannot run, naming the key and the fix
+    (before any model is loaded)."""
+    o = config.online
+    if o.pipeline == "free" and o.staleness:
+        raise ConfigError(
+            f"online.pipeline=free bounds the lag with online.max_staleness, not "
+            f"online.staleness={o.staleness} (no fixed queue): set online.staleness: 0 and "
+            "online.max_staleness, or use online.pipeline: deterministic")
+    if o.pipeline != "off":
+        if o.pipeline == "deterministic" and o.staleness < 1:
+            raise ConfigError(
+                "online.pipeline=deterministic needs online.staleness >= 1 (it is 0): at "
+                "staleness 0 update u trains on the batch θ_u samples, so sampling cannot start "
+                "before update u−1 ends and nothing can overlap. Set online.staleness: 1 (or "
+                "more), or online.pipeline: off")
+        if o.sampler_devices < 1:
+            raise ConfigError(
+                f"online.pipeline={o.pipeline} runs the sampler on its own devices: set "
+                f"online.sampler_devices to 1 … {len(devices) - 1} (of the {len(devices)} "
+                "devices; the rest train)")
+    if o.sampler_devices and jax.process_count() > 1:
+        raise ConfigError("online.sampler_devices splits one host's devices; a multi-host "
+                          "job runs the serial loop: set online.sampler_devices: 0")
+    if o.sampler_devices >= len(devices):
+        raise ConfigError(
+            f"online.sampler_devices={o.sampler_devices} covers all {len(devices)} devices and "
+            "leaves none to train on: set it to at most "
+            f"{len(devices) - 1} (the trainer takes the rest)")
+    if o.sampler_devices:
+        rest = len(devices) - o.sampler_devices
+        try:
+            resolve_mesh_shape(config.mesh, rest)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the trainer's mesh spans the {rest} devices that "
+                              f"online.sampler_devices={o.sampler_devices} leaves)") from None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The trainer's mesh and the sampler's (the same mesh when the devices are shared)."""
+
+    trainer: Mesh
+    sampler: Mesh
+
+    @property
+    def split(self) -> bool:
+        return self.trainer is not self.sampler
+
+    def publish(self, params: Any, model_state: Any) -> tuple[Any, Any]:
+        """The weights on the sampler's devices, copied (the trainer's next step donates its
+        own buffers), waited for: the caller times the trainer's pause."""
+        moved = jax.device_put((params, model_state),
+                               (state_shardings(params, self.sampler),
+                                state_shardings(model_state, self.sampler)))
+        return jax.block_until_ready(moved)
+
+
+def make_placement(config: OnlineConfig, devices: Sequence[Any] | None = None) -> Placement:
+    """The first `online.sampler_devices` of `devices` (default: this host's) sample, the rest
+    train over the `mesh:` section's mesh. The sampler's mesh takes the `mesh:` sizes too when
+    they fit its devices (then it computes what the serial loop's sampler computes, bit for
+    bit), else it is data-parallel over them."""
+    devices = list(jax.devices() if devices is None else devices)
+    check_placement(config, devices)
+    k = config.online.sampler_devices
+    if not k:
+        mesh = make_mesh(config.mesh, devices)
+        return Placement(mesh, mesh)
+    try:
+        sampler = make_mesh(config.mesh, devices[:k])
+    except ConfigError:  # e.g. mesh.fsdp=4 on 2 sampler devices
+        sampler = make_mesh(AxisSizes(), devices[:k])
+    return Placement(make_mesh(config.mesh, devices[k:]), sampler)
