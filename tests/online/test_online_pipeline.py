@@ -84,8 +84,10 @@ def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: 
                                    mesh={"data": 2, "fsdp": 2}), schema=OnlineConfig)
     run_online(serial, progress=False, mesh=make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[4:]))
     (tmp_path / "cli").mkdir()
+    # train.eval_every: held-out evaluations join the rows (updates 2 and 4), the state unchanged
     write_yaml(tmp_path / "cli/online.yaml", tiny(
-        "run", mesh={"data": 2, "fsdp": 2}, train=keep,
+        "run", mesh={"data": 2, "fsdp": 2}, train={**keep, "eval_every": 2},
+        eval={"n": 2, "num_questions": 4, "max_new_tokens": 8, "split": "test"},
         online={**online, "pipeline": "deterministic", "sampler_devices": 4}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                JAXRL_PROGRESS_INTERVAL_S="0")
@@ -111,7 +113,10 @@ def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: 
             for d in (tmp_path / "serial", tmp_path / "cli/run")]
     assert meta[0] == meta[1] and len(meta[0]["queue"]) == 2
     serial_rows, rows = metric_rows(tmp_path / "serial"), metric_rows(tmp_path / "cli/run")
-    assert _comparable(serial_rows) == _comparable(rows)
+    assert [r["updates"] for r in rows if "eval/pass_at_1" in r] == [2, 4]
+    assert all("eval/pass_at_1_se" in r for r in rows if "eval/pass_at_1" in r)
+    assert _comparable(serial_rows) == [{k: v for k, v in r.items() if not k.startswith("eval/")}
+                                        for r in _comparable(rows)]
     # update u trains on θ_max(0, u−2)'s batch: round r trains update r − 2 (rounds 2 … 5),
     # so the lags are 0, 1, 2, 2, each for the batch's 8 samples
     assert [r.get("pipeline/lag_max") for r in rows] == [None, None, 0.0, 1.0, 2.0, 2.0]
