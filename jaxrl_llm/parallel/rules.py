@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
+from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -167,10 +167,13 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
 
 
-def batch_spec(name: str, ndim: int) -> P:
-    """Rows over ("data", "fsdp"); `pair_index` holds global row numbers and is replicated."""
+def batch_spec(name: str, ndim: int, mesh: Mesh | None = None) -> P:
+    """Rows over ("data", "fsdp"), and a [B, T] array's tokens over "context" when `mesh` has
+    that axis; `pair_index` holds global row numbers and is replicated."""
     if name == "pair_index" or ndim == 0:
         return P()
+    if ndim >= 2 and context_shards(mesh) > 1:
+        return P(BATCH_AXES, CONTEXT_AXIS)
     return P(BATCH_AXES)
 
 
@@ -178,18 +181,25 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
     """NamedShardings for a `Batch` (or any flax struct of arrays keyed by field name).
 
     Raises a ValueError naming the field when its row count is not a multiple of
-    data × fsdp.
+    data × fsdp, or (context parallelism) its length not a multiple of 2 × context.
     """
     shards = batch_shards(mesh)
+    context = context_shards(mesh)
     out = {}
     for name in batch.__dataclass_fields__:
         value = getattr(batch, name)
-        spec = batch_spec(name, value.ndim)
+        spec = batch_spec(name, value.ndim, mesh)
         if spec != P() and value.shape[0] % shards:
             raise ValueError(
                 f"batch.{name} has {value.shape[0]} rows, not a multiple of the mesh's "
                 f"data×fsdp = {shards}; choose train.batch_size (and micro_batch_size) as a "
                 "multiple of it"
+            )
+        if len(spec) == 2 and value.shape[1] % (2 * context):
+            raise ValueError(
+                f"batch.{name} has {value.shape[1]} tokens per row, not a multiple of "
+                f"2 × mesh.context = {2 * context} (the load-balanced chunks); choose "
+                "train.max_seq_len and data.buckets as multiples of it"
             )
         out[name] = NamedSharding(mesh, spec)
     return batch.replace(**out)
@@ -197,10 +207,11 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
 
 def batch_sharding_tree(mesh: Mesh, batch_cls: Any = None) -> Any:
     """A `Batch` whose fields are the NamedShardings of `batch_spec` (jit in_shardings)."""
+    from jaxrl_llm.data.batch import TOKEN_FIELDS
+
     if batch_cls is None:
         from jaxrl_llm.data.batch import Batch as batch_cls
-    fields = batch_cls.__dataclass_fields__
     return batch_cls(**{
-        name: NamedSharding(mesh, P() if name == "pair_index" else P(BATCH_AXES))
-        for name in fields
+        name: NamedSharding(mesh, batch_spec(name, 2 if name in TOKEN_FIELDS else 1, mesh))
+        for name in batch_cls.__dataclass_fields__
     })

@@ -1,0 +1,168 @@
+"""Context parallelism (parallel/context.py): on 8 fake CPU devices, `mesh.context` 4 ×
+`mesh.fsdp` 2 gives the unsharded step's loss and gradients (to 1e-5) for TOPR, GRPO, GSPO, FPA
+(π_ref in the step), DPO (pairs), packed rows and PKPO-transformed rewards, on a scanned,
+rematerialised decoder with GQA; the score pass's μ equals the unsharded one; bad set-ups are
+refused at config load."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_llm.config import config_from_dict
+from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.data.collate import collate, collate_packed, record_row
+from jaxrl_llm.data.records import Record
+from jaxrl_llm.losses import pkpo
+from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.parallel.context import inverse_order, load_balance_order, reorder_batch
+from jaxrl_llm.parallel.distributed import global_batch
+from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.train.scorer import make_scorer
+from jaxrl_llm.train.state import create_train_state
+from jaxrl_llm.train.step import make_train_step
+
+from .helpers import to_numpy
+
+V, T, B = 64, 32, 4
+CONTEXT = {"data": 1, "fsdp": 2, "tensor": 1, "context": 4}
+SINGLE = {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def test_load_balance_order_gives_chip_i_chunks_i_and_2c_minus_1_minus_i():
+    order = load_balance_order(16, 2)  # 4 chunks of 4 tokens; chip 0: chunks 0, 3; chip 1: 1, 2
+    np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+    np.testing.assert_array_equal(order[inverse_order(order)], np.arange(16))
+    # equal causal work: Σ (original slot + 1) over each chip's half of the row
+    work = [(order[:8] + 1).sum(), (order[8:] + 1).sum()]
+    assert work[0] == work[1]
+    with pytest.raises(ValueError, match="2 × mesh.context = 8"):
+        load_balance_order(12, 4)
+
+
+def _decoder_config() -> DecoderConfig:
+    return DecoderConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=T,
+                         rope_theta=10_000.0, rms_norm_eps=1e-6, tie_embeddings=False,
+                         param_dtype="float32", compute_dtype="float32", scan_layers=True,
+                         remat="full", attention="jnp")
+
+
+def _model() -> Decoder:
+    with nnx.use_eager_sharding(False):
+        return Decoder(_decoder_config(), rngs=nnx.Rngs(0))
+
+
+def _config(loss: str, mesh: dict, **loss_options):
+    return config_from_dict({
+        "loss": {"name": loss, "logprob_chunk_size": 24, "fpa_lambda": 1.5, **loss_options},
+        "optim": {"name": "sgd", "learning_rate": 1.0, "clip_norm": None},
+        "mesh": mesh,
+        "train": {"batch_size": B, "max_seq_len": T,
+                  "ref_logprobs": "model" if loss == "dpo" else "batch"},
+    })
+
+
+def _records(seed: int, n: int, longest: int) -> list[Record]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p = int(rng.integers(2, 6))
+        c = int(rng.integers(2, longest - p))
+        mu = (rng.normal(size=c) * 0.3 - 4.2).astype(np.float32)
+        out.append(Record(prompt_ids=rng.integers(1, V, p).astype(np.int32),
+                          completion_ids=rng.integers(1, V, c).astype(np.int32),
+                          reward=float(rng.choice([-1.0, 0.5, 1.0])), correct=bool(i % 2),
+                          group_id=i // 2, behavior_logprobs=mu, mu_logprobs=mu,
+                          ref_logprobs=mu - 0.1))
+    return out
+
+
+def _batch(kind: str):
+    if kind == "packed":  # 2 records per row, 4 rows: segments and positions cross shards
+        rows = [[record_row(r) for r in _records(3 + i, 2, 14)] for i in range(B)]
+        return collate_packed(rows, B, T, 2)
+    rows = [record_row(r) for r in _records(1, B, T)]
+    batch = collate(rows, B, (T,), pairs=kind == "pairs")
+    if kind == "pkpo":  # PKPO's leave-one-out max@2 transform over groups of 2 (PKPO eq. 29)
+        rewards = pkpo.sloo_minus_one(np.asarray(batch.rewards).reshape(-1, 2), 2)
+        batch = batch.replace(rewards=np.asarray(rewards, np.float32).reshape(-1))
+    return batch
+
+
+def _step(loss: str, mesh_sizes: dict, batch, **loss_options):
+    config = _config(loss, mesh_sizes, **loss_options)
+    n = int(np.prod(list(mesh_sizes.values())))
+    mesh = make_mesh(config.mesh, jax.devices()[:n])
+    state = create_train_state(config, mesh, _model())
+    before = to_numpy(state.params)
+    step = make_train_step(config, mesh, state)
+    new_state, metrics = step(state, global_batch(batch, mesh))
+    grads = jax.tree.map(lambda b, a: b - a, before, to_numpy(new_state.params))
+    return to_numpy(metrics), grads
+
+
+CASES = [("topr", "plain", {}), ("grpo", "plain", {}), ("gspo", "plain", {}),
+         ("fpa", "plain", {}), ("dpo", "pairs", {}), ("topr", "packed", {}),
+         ("grpo", "packed", {}), ("topr", "pkpo", {"baseline": 0.0})]
+
+
+@pytest.mark.parametrize("loss, kind, options", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_context_parallel_step_equals_unsharded(loss, kind, options):
+    batch = _batch(kind)
+    ref_metrics, ref_grads = _step(loss, SINGLE, batch, **options)
+    metrics, grads = _step(loss, CONTEXT, batch, **options)
+    assert np.isfinite(ref_metrics["loss"]) and ref_metrics["loss_weight"] > 0
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
+    assert ref_metrics["grad_norm"] > 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads),
+                            jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_reordered_rows_change_the_loss_without_the_order():
+    """The check above can fail: the same reordered rows given to the unsharded step (whose
+    model assumes the natural order) give different gradients, far beyond the tolerance."""
+    batch = _batch("plain")
+    _, base = _step("topr", SINGLE, batch)
+    _, shuffled = _step("topr", SINGLE, reorder_batch(batch, 4))
+    gap = max(float(np.abs(a - b).max())
+              for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(shuffled), strict=True))
+    assert gap > 1e-3
+
+
+def test_score_pass_mu_equals_unsharded():
+    records = _records(7, B, 20)
+    rows = [record_row(r) for r in records]
+    batch = collate(rows, B, (24,))  # 24 tokens: the scorer pads to 32 = a multiple of 2 × 4
+    arrays = (batch.inputs, batch.targets, batch.positions, batch.segment_ids)
+    config = _config("topr", CONTEXT)
+    single = make_scorer(_model(), temperature=0.7, chunk_size=24,
+                         mesh=make_mesh(_config("topr", SINGLE).mesh, jax.devices()[:1]))
+    split = make_scorer(_model(), temperature=0.7, chunk_size=24,
+                        mesh=make_mesh(config.mesh, jax.devices()))
+    mu_1, ref_1 = single(*arrays)
+    mu_c, ref_c = split(*arrays)
+    assert mu_c.shape == mu_1.shape == (B, 24)
+    real = np.asarray(batch.segment_ids) > 0
+    np.testing.assert_allclose(mu_c[real], mu_1[real], atol=1e-5)
+    np.testing.assert_allclose(ref_c[real], ref_1[real], atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mesh": {"context": 4}, "train": {"max_seq_len": 100}},
+     r"2 × 4 = 8 load-balanced chunks, which do not divide train.max_seq_len=100"),
+    ({"mesh": {"context": 2}, "train": {"max_seq_len": 64}, "data": {"buckets": [30, 64]}},
+     r"do not divide data.buckets=30"),
+    ({"mesh": {"context": 2}, "model": {"attention": "cudnn"}},
+     r"model.attention=cudnn cannot run context parallelism"),
+    ({"mesh": {"context": 2}, "loss": {"name": "m2po"}},
+     r"loss.name=m2po cannot train with mesh.context=2"),
+])
+def test_bad_context_setups_are_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(overrides)
