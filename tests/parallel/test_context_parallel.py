@@ -1,21 +1,33 @@
 """Context parallelism (parallel/context.py): on 8 fake CPU devices, `mesh.context` 4 ×
 `mesh.fsdp` 2 gives the unsharded step's loss and gradients (to 1e-5) for TOPR, GRPO, GSPO, FPA
 (π_ref in the step), DPO (pairs), packed rows and PKPO-transformed rewards, on a scanned,
-rematerialised decoder with GQA; the score pass's μ equals the unsharded one; bad set-ups are
-refused at config load."""
+rematerialised decoder with GQA; splash's query-sharded kernel equals the jnp path; the score
+pass's μ equals the unsharded one; a run killed after a checkpoint resumes bit-identically; bad
+set-ups are refused at config load."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.config import config_from_dict
+from jaxrl_llm.config import MeshConfig, config_from_dict
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.collate import collate, collate_packed, record_row
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.losses import pkpo
+from jaxrl_llm.models.attention import attention_mesh, self_attention
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.parallel.context import inverse_order, load_balance_order, reorder_batch
@@ -24,6 +36,8 @@ from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.train.scorer import make_scorer
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import make_train_step
+from jaxrl_llm.train.trainer import Trainer
+from tests.train.test_trainer import N, params_of, records, tiny_config  # noqa: F401 (fixture)
 
 from .helpers import to_numpy
 
@@ -136,8 +150,7 @@ def test_reordered_rows_change_the_loss_without_the_order():
 
 
 def test_score_pass_mu_equals_unsharded():
-    records = _records(7, B, 20)
-    rows = [record_row(r) for r in records]
+    rows = [record_row(r) for r in _records(7, B, 20)]
     batch = collate(rows, B, (24,))  # 24 tokens: the scorer pads to 32 = a multiple of 2 × 4
     arrays = (batch.inputs, batch.targets, batch.positions, batch.segment_ids)
     config = _config("topr", CONTEXT)
@@ -166,3 +179,85 @@ def test_score_pass_mu_equals_unsharded():
 def test_bad_context_setups_are_refused_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(overrides)
+
+
+def test_splash_with_query_shards_equals_jnp_attention():
+    """Splash (Pallas interpret mode here) in its context-parallel shard_map: each device's
+    two load-balanced query chunks against the gathered keys, on packed and padded rows; the
+    outputs and the gradients of q, k, v equal the jnp path's on the original order."""
+    b, t, d = 2, 512, 8  # 512 / 4 shards = one 128-token block of queries per device
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(b, t, h, d)).astype(np.float32) for h in (2, 1, 1))
+    seg = np.ones((b, t), np.int32)
+    seg[0, 300:], seg[1, 400:] = 2, 0  # a second record in row 0; padding in row 1
+    weight = rng.normal(size=(b, t, 2, d)).astype(np.float32) * (seg > 0)[..., None, None]
+    mesh = make_mesh(config_from_dict({"mesh": CONTEXT, "train": {"max_seq_len": t}}).mesh)
+    order = load_balance_order(t, 4)
+
+    def reference(q, k, v):
+        out = self_attention(q, k, v, jnp.asarray(seg), scale=0.3, implementation="jnp")
+        return jnp.sum(out * weight), out
+
+    def split(q, k, v, s, w):
+        with attention_mesh(mesh):
+            out = self_attention(q, k, v, s, scale=0.3, implementation="splash", order=order)
+        return jnp.sum(out * w), out
+
+    (_, out_ref), grads_ref = jax.value_and_grad(reference, (0, 1, 2), has_aux=True)(q, k, v)
+    rows = NamedSharding(mesh, P(("data", "fsdp"), "context"))
+    heads = NamedSharding(mesh, P(("data", "fsdp"), "context", None, None))
+    args = [jax.device_put(x[:, order], heads if x.ndim == 4 else rows)
+            for x in (q, k, v, seg, weight)]
+    (_, out), grads = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(*args)
+    back = inverse_order(order)
+    real = (seg > 0)[..., None, None]
+    np.testing.assert_allclose(np.where(real, np.asarray(out)[:, back], 0),
+                               np.where(real, out_ref, 0), atol=1e-5)
+    for name, g, g_ref in zip("qkv", grads, grads_ref, strict=True):
+        np.testing.assert_allclose(np.asarray(g)[:, back], g_ref, atol=1e-5, err_msg=name)
+
+
+KILLED_CONTEXT_RUN = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    from tests.parallel.test_context_parallel import context_config
+    from jaxrl_llm.train.trainer import Trainer
+
+    def on_step(step, trainer):
+        if step == int(sys.argv[3]) + 1:  # checkpoint N committed, step N+1 trained, not saved
+            trainer.checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    Trainer(context_config(Path(sys.argv[1]), Path(sys.argv[2])), on_step=on_step,
+            progress=False, tensorboard=False).run()
+    """
+)
+
+
+def context_config(run_dir: Path, records_dir: Path):
+    """test_trainer's tiny run on a context 4 × fsdp 2 mesh (16-token rows: 8 chunks of 2)."""
+    config = tiny_config(run_dir, records_dir)
+    return config.model_copy(update={"mesh": MeshConfig(data=1, fsdp=2, tensor=1, context=4)})
+
+
+def test_context_parallel_run_resumes_after_sigkill_bit_identically(tmp_path, records):  # noqa: F811
+    straight = Trainer(context_config(tmp_path / "straight", records), progress=False,
+                       tensorboard=False)
+    result = straight.run()
+    straight.close()
+    assert result.step == 2 * N
+    killed_dir = tmp_path / "killed"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", KILLED_CONTEXT_RUN, str(killed_dir),
+                           str(records), str(N)],
+                          env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}"
+                               f"{os.environ.get('PYTHONPATH', '')}"},
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    resumed = Trainer(context_config(killed_dir, records), progress=False, tensorboard=False)
+    again = resumed.run()
+    resumed.close()
+    assert again.step == 2 * N
+    for a, b in zip(params_of(result.state), params_of(again.state), strict=True):
+        np.testing.assert_array_equal(a, b)
