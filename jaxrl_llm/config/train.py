@@ -42,8 +42,8 @@ class MeshConfig(Section):
     fsdp: int = 1  # fully-sharded axis: parameters and optimizer state split over it
     tensor: int = 1  # tensor-parallel axis (heads and MLP width split)
     # context-parallel axis: each row's tokens split over it (load-balanced causal order,
-    # keys/values all-gathered in attention; docs/plan.md § Context parallelism). Must divide
-    # train.max_seq_len / 2 (and every data.buckets length / 2).
+    # keys/values all-gathered in attention; docs/plan.md § Context parallelism).
+    # 2 × context must divide train.max_seq_len (and every data.buckets length).
     context: int = Field(1, gt=0)
 
 

@@ -5,9 +5,10 @@ Models annotate each parameter with logical axis names (`nnx.with_partitioning` 
 `out_sharding` metadata): "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp",
 "norm", "layers". The rules below map them to mesh axes:
 
-- "embed" → "fsdp": every weight matrix is split along d_model over the FSDP axis
-  (ZeRO-3: parameters, gradients and optimizer state are all 1/fsdp per device; XLA
-  all-gathers a layer's weights just before use).
+- "embed" → "fsdp" (and "context" on a context-parallel mesh): every weight matrix is split
+  along d_model over the FSDP axis (ZeRO-3: parameters, gradients and optimizer state are all
+  1/fsdp per device; XLA all-gathers a layer's weights just before use). The "context" shards
+  see different tokens of the same rows, so they shard the state like FSDP shards do.
 - "vocab", "q_heads", "kv_heads", "mlp" → "tensor": Megatron-style tensor parallelism.
 - "head_dim", "norm", "layers" → replicated.
 
@@ -34,7 +35,7 @@ MeshAxes = str | tuple[str, ...] | None
 
 DEFAULT_PARAM_RULES: dict[str, MeshAxes] = {
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "heads": "tensor",
@@ -60,8 +61,9 @@ def logical_to_mesh_spec(
     """PartitionSpec for an array of `shape` annotated with `logical` axis names.
 
     Unknown logical names raise (a typo in a model annotation must not silently replicate a
-    large matrix); mesh axes that do not divide the dimension, or that an earlier dimension
-    already uses, are dropped.
+    large matrix); mesh axes that do not divide the dimension, that an earlier dimension
+    already uses, or that the mesh does not have ("context" without context parallelism), are
+    dropped.
     """
     if not logical:
         return P()
@@ -83,7 +85,7 @@ def logical_to_mesh_spec(
         kept: list[str] = []
         size = 1
         for axis in _as_tuple(rules[name]):
-            axis_size = mesh.shape[axis]
+            axis_size = dict(mesh.shape).get(axis, 1)
             if axis in used or axis_size == 1 or dim % (size * axis_size):
                 continue
             kept.append(axis)

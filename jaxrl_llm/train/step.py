@@ -48,7 +48,7 @@ from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.models.attention import attention_mesh
 from jaxrl_llm.models.layer_scan import LayerGradAccumulator
 from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
-from jaxrl_llm.parallel.rules import batch_sharding_tree
+from jaxrl_llm.parallel.rules import batch_sharding_tree, logical_to_mesh_spec
 from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
 from jaxrl_llm.train.monitors import MONITORS, batch_monitors, finish
 from jaxrl_llm.train.nonfinite import NONFINITE_KEY, first_nonfinite
@@ -63,14 +63,16 @@ def _vocab_axis(mesh: Mesh, vocab: int) -> str | None:
 
 
 def unembed_row_sharding(mesh: Mesh | None, unembed_shape: tuple[int, ...]) -> RowSharding | None:
-    """FSDP layout of the log-prob kernel's table (rows [V, d], d split over "fsdp", one
-    vocabulary chunk gathered at a time), or None where the whole-table gather of `forward`
-    applies instead: no mesh, no FSDP split of d, or vocab split over "tensor"."""
+    """FSDP layout of the log-prob kernel's table (rows [V, d], d split over "fsdp" — and
+    "context" when the rules put it there — one vocabulary chunk gathered at a time), or None
+    where the whole-table gather of `forward` applies instead: no mesh, no FSDP split of d,
+    or vocab split over "tensor"."""
     if mesh is None or mesh.shape["fsdp"] == 1 or unembed_shape[0] % mesh.shape["fsdp"]:
         return None
     if mesh.shape["tensor"] > 1 and _vocab_axis(mesh, unembed_shape[1]) is not None:
         return None
-    return RowSharding(mesh, "fsdp")
+    axes = logical_to_mesh_spec(("embed",), unembed_shape[:1], mesh)[0]
+    return RowSharding(mesh, axes)
 
 
 def gather_unembedding(unembed: jax.Array, mesh: Mesh) -> jax.Array:

@@ -115,6 +115,8 @@ def _step(loss: str, mesh_sizes: dict, batch, **loss_options):
     before = to_numpy(state.params)
     step = make_train_step(config, mesh, state)
     new_state, metrics = step(state, global_batch(batch, mesh))
+    if mesh_sizes.get("context", 1) > 1:  # the context shards split the state like FSDP's
+        assert new_state.params["embed"].get_value().sharding.spec == P(None, ("fsdp", "context"))
     grads = jax.tree.map(lambda b, a: b - a, before, to_numpy(new_state.params))
     return to_numpy(metrics), grads
 
