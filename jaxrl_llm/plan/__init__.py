@@ -93,6 +93,38 @@ def context_split(config: ExperimentConfig, decoder: Any, mesh: Any) -> ContextS
                         collective_seconds=None if ici is None else nbytes / ici)
 
 
+def saved_layer_inputs(config: ExperimentConfig, decoder: Any, mesh: Any) -> float:
+    """Per-device bytes of the layer inputs the backward pass needs, a lower bound on the
+    activations: every layer's [rows, T/context, d] input in the compute dtype (what
+    `remat: full` keeps; without remat the step keeps more), for one micro-batch."""
+    micro = config.train.micro_batch_size or config.train.batch_size
+    rows = max(micro // batch_shards(mesh), 1)
+    tokens = rows * config.train.max_seq_len / context_shards(mesh)
+    return decoder.num_layers * tokens * decoder.hidden_size * np.dtype(
+        decoder.compute_jnp_dtype).itemsize
+
+
+def refuse_before_compiling(config: ExperimentConfig, decoder: Any, mesh: Any,
+                            state_bytes: int, topology: str) -> None:
+    """`PlanOutOfMemory` without compiling when the state plus `saved_layer_inputs` (both
+    lower bounds of the peak) already exceed a chip, with the figures and the keys."""
+    chip = _chip_memory(config)
+    floor = saved_layer_inputs(config, decoder, mesh)
+    if chip is None or state_bytes + floor <= chip:
+        return
+    c = context_shards(mesh)
+    raise PlanOutOfMemory(
+        f"{config.name}: the train step cannot fit on {topology} (mesh {dict(mesh.shape)}), "
+        f"refused before compiling: the state alone is {state_bytes / GIB:.2f} GiB per chip "
+        f"and the {decoder.num_layers} layer inputs the backward pass keeps "
+        f"({config.train.max_seq_len:,} tokens per row / mesh.context={c}, "
+        f"{(config.train.micro_batch_size or config.train.batch_size) // batch_shards(mesh)} "
+        f"row(s) per chip per micro-batch) {floor / GIB:.2f} GiB, over the chip's "
+        f"{chip / GIB:.2f} GiB. Raise mesh.context (splits each row's tokens; 2 × context "
+        "must divide train.max_seq_len), lower train.micro_batch_size or train.max_seq_len, "
+        "or raise mesh.fsdp.")
+
+
 def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
@@ -224,9 +256,11 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     config = config.model_copy(update={"model": model})
     mesh = make_mesh(config.mesh, devices)
     state = abstract_train_state(config, mesh)
+    decoder = decoder_config(config.model)
+    refuse_before_compiling(config, decoder, mesh, sum(_array_infos(state)[1].values()),
+                            topology)
     batch = abstract_batch(config, mesh)
     step = make_train_step(config, mesh, state)
-    decoder = decoder_config(config.model)
     start = time.perf_counter()
     with attention_mesh(mesh):  # "auto" attention resolves for the mesh's platform
         lowered = step.lower(state, batch)

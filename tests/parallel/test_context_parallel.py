@@ -33,6 +33,7 @@ from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.parallel.context import inverse_order, load_balance_order, reorder_batch
 from jaxrl_llm.parallel.distributed import global_batch
 from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.plan import libtpu_available
 from jaxrl_llm.train.scorer import make_scorer
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import make_train_step
@@ -263,3 +264,49 @@ def test_context_parallel_run_resumes_after_sigkill_bit_identically(tmp_path, re
     assert again.step == 2 * N
     for a, b in zip(params_of(result.state), params_of(again.state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_plan_reports_the_context_split_and_splits_the_state_over_it():
+    """`plan` on 8 fake CPU devices, fsdp 2 × context 4: the state is 1/8 per device (split
+    over both axes), and the K/V traffic is the analytic all-gather + reduce-scatter bytes."""
+    from jaxrl_llm.plan import make_plan
+
+    from .test_plan import ARCH, expected_state_bytes, tree
+
+    config = config_from_dict(tree(CONTEXT, {"platform": "cpu", "num_devices": 8}))
+    report = make_plan(config)
+    assert report.mesh == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert report.state_bytes_per_device == pytest.approx(expected_state_bytes(8), abs=64)
+    split = report.context
+    assert split.shards == 4 and split.tokens_per_chip == 8 // 2 * 16 // 4
+    # per device: 4 rows × 16 tokens × 2 KV heads × 16 dims × (K, V), 3/4 of it received, in
+    # 2 layers × 2 passes (forward; backward's reduce-scatter; no remat), float32
+    assert split.collective_bytes == 4 * 16 * ARCH["num_kv_heads"] * ARCH["head_dim"] * 2 \
+        * 3 / 4 * 2 * 2 * 4
+    assert split.collective_seconds is None  # no ICI figure for CPU devices
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="needs the `tpu` extra (PyPI libtpu)")
+def test_plan_refuses_a_row_too_long_for_a_chip_before_compiling(monkeypatch):
+    """Llama-3-8B at 65,536 tokens, one row per v5e chip: its 32 layer inputs alone are
+    32 × 65,536 × 4,096 × 2 bytes = 16 GiB > 16 GiB, so `plan` refuses without compiling
+    (the step is never built) and names mesh.context; with mesh.context=4 it passes the check."""
+    from jaxrl_llm import plan as plan_module
+    from jaxrl_llm.config import load_config
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("plan compiled a step it should have refused")
+
+    monkeypatch.setattr(plan_module, "make_train_step", no_compile)
+    config = load_config(Path(__file__).resolve().parents[2] / "configs"
+                         / "topr_gsm8k_llama3_8b_8k_v5e256.yaml",
+                         ["train.max_seq_len=65536", "model.max_position_embeddings=65536"])
+    with pytest.raises(plan_module.PlanOutOfMemory,
+                       match=r"refused before compiling.*16\.00 GiB, over the chip's 16\.00 GiB"
+                             r"\. Raise mesh.context"):
+        plan_module.make_plan(config)
+    split = config.model_copy(update={"mesh": MeshConfig(data=1, fsdp=-1, tensor=1, context=4),
+                                      "train": config.train.model_copy(
+                                          update={"batch_size": 64, "micro_batch_size": 64})})
+    with pytest.raises(AssertionError, match="compiled a step"):  # past the check, to compile
+        plan_module.make_plan(split)
