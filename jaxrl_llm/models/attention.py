@@ -59,6 +59,7 @@ from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.models.layers import attention_mask, dot_product_attention
 from jaxrl_llm.parallel.context import inverse_order
 from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, context_shards
+from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, logical_to_mesh_spec
 
 Array = jax.Array
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "jnp", "xla", "cudnn", "splash")
@@ -162,6 +163,20 @@ def gather_sequence(x: Array) -> Array:
     if context_shards(mesh) == 1:
         return x
     spec = P(P.UNCONSTRAINED, None, *([P.UNCONSTRAINED] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def fsdp_only(x: Array, logical: tuple[str, ...]) -> Array:
+    """A parameter `x` (logical axes `logical`) constrained to its layout without the
+    "context" split of the state (`parallel.rules`: "embed" → ("fsdp", "context")). For the
+    embedding lookup: from a table whose d is split over (fsdp, context), GSPMD cannot move
+    the looked-up [B, T, d] rows to (rows over fsdp, tokens over context) except by
+    replicating them; with the table gathered over "context" it is the FSDP all-to-all."""
+    mesh = _MESH.get()
+    if context_shards(mesh) == 1:
+        return x
+    rules = {**DEFAULT_PARAM_RULES, "embed": "fsdp"}
+    spec = logical_to_mesh_spec(logical, x.shape, mesh, rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

@@ -31,6 +31,7 @@ from flax import nnx, struct
 from jaxrl_llm.models.attention import (
     attention_mesh,
     current_mesh,
+    fsdp_only,
     gather_sequence,
     resolve,
     self_attention,
@@ -300,7 +301,10 @@ class Decoder(nnx.Module):
         chex.assert_shape(positions, (b, t))
 
         dt = c.compute_jnp_dtype
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        table = self.embed[...]
+        if context_order > 1:  # gather the table over "context" first (`fsdp_only`)
+            table = fsdp_only(table, ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
         if c.is_gemma:
             # HF multiplies by sqrt(d) rounded to the activation dtype.
             x = x * jnp.asarray(math.sqrt(c.hidden_size), dtype=dt)
