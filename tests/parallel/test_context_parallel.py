@@ -2,8 +2,9 @@
 `mesh.fsdp` 2 gives the unsharded step's loss and gradients (to 1e-5) for TOPR, GRPO, GSPO, FPA
 (π_ref in the step), DPO (pairs), packed rows and PKPO-transformed rewards, on a scanned,
 rematerialised decoder with GQA; splash's query-sharded kernel equals the jnp path; the score
-pass's μ equals the unsharded one; a run killed after a checkpoint resumes bit-identically; bad
-set-ups are refused at config load."""
+pass's μ and the API's `Policy.score` / `Policy.step` (online's update) equal the unsharded ones;
+a run killed after a checkpoint resumes bit-identically; bad set-ups are refused at config load,
+a row too long for a chip by `plan` before compiling."""
 
 from __future__ import annotations
 
@@ -310,3 +311,30 @@ def test_plan_refuses_a_row_too_long_for_a_chip_before_compiling(monkeypatch):
                                           update={"batch_size": 64, "micro_batch_size": 64})})
     with pytest.raises(AssertionError, match="compiled a step"):  # past the check, to compile
         plan_module.make_plan(split)
+
+
+def test_policy_score_and_step_on_a_context_mesh_equal_one_device():
+    """The public API (`Policy.score`, and `Policy.step`: online's update) on context 4 ×
+    fsdp 2: the batch goes in reordered, the log-probs come back in the tokens' order."""
+    from jaxrl_llm.api import load_policy
+
+    tree = {"model": {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+                      "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "attention": "jnp"},
+            "loss": {"name": "topr"},
+            "optim": {"name": "sgd", "learning_rate": 1.0, "clip_norm": None},
+            "train": {"batch_size": B, "max_seq_len": T}}
+    recs = _records(11, B, 30)
+    results = []
+    for sizes in (SINGLE, CONTEXT):
+        config = config_from_dict({**tree, "mesh": sizes})
+        devices = jax.devices()[:int(np.prod(list(sizes.values())))]
+        policy = load_policy(config=config, mesh=make_mesh(config.mesh, devices))
+        before = policy.score(recs)
+        metrics = policy.step(recs)
+        results.append((before, metrics["loss"], policy.score(recs)))
+    (one_before, one_loss, one_after), (cp_before, cp_loss, cp_after) = results
+    assert [a.shape for a in cp_before] == [(r.completion_ids.size,) for r in recs]
+    for a, b in zip(one_before + one_after, cp_before + cp_after, strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    np.testing.assert_allclose(cp_loss, one_loss, rtol=1e-5)
+    assert np.abs(one_after[0] - one_before[0]).max() > 1e-3  # the step changed the policy
