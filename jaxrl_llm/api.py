@@ -32,8 +32,9 @@ from jaxrl_llm.data.records import Record
 from jaxrl_llm.eval.evaluate import evaluate_model
 from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
 from jaxrl_llm.losses.logprobs import token_logprobs
+from jaxrl_llm.parallel.context import restore_order
 from jaxrl_llm.parallel.distributed import global_batch, global_batch_from_whole, host_array
-from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.parallel.mesh import context_shards, make_mesh
 from jaxrl_llm.policy.export import atomic_save
 from jaxrl_llm.policy.opener import OpenedModel, open_model
 from jaxrl_llm.sampling.build import build_sampler
@@ -243,6 +244,7 @@ class Policy:
         t = loss_temperature(self.config) if temperature is None else float(temperature)
         batch = self.batch(records, require_mu=False)
         logp = host_array(self._score_fn(t)(self.state.params, self.state.model_state, batch))
+        logp = restore_order(logp, context_shards(self.mesh))  # `batch` is in its CP order
         out = []
         for i, r in enumerate(records):
             start = r.prompt_ids.size - 1

@@ -59,6 +59,37 @@ class ExperimentConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _context_parallel_fits(self) -> ExperimentConfig:
+        # Refused here, at load time, before any model is built or compiled.
+        c = self.mesh.context
+        if c == 1:
+            return self
+        chunks = 2 * c  # parallel/context.py: 2c load-balanced chunks per row
+        for key, length in [("train.max_seq_len", self.train.max_seq_len),
+                            *(("data.buckets", n) for n in self.data.buckets or ())]:
+            if length % chunks:
+                raise ValueError(
+                    f"mesh.context={c} splits each row into 2 × {c} = {chunks} load-balanced "
+                    f"chunks, which do not divide {key}={length}: set {key} to a multiple of "
+                    f"{chunks} (e.g. {-(-length // chunks) * chunks}), or change mesh.context")
+        if self.model.attention in ("xla", "cudnn"):
+            raise ValueError(
+                f"model.attention={self.model.attention} cannot run context parallelism "
+                f"(mesh.context={c}): it takes no load-balanced causal mask; set "
+                "model.attention=auto (splash on TPU, jnp elsewhere), jnp or splash")
+        if self.loss.name in ORDER_DEPENDENT_LOSSES:
+            raise ValueError(
+                f"loss.name={self.loss.name} cannot train with mesh.context={c}: "
+                f"{ORDER_DEPENDENT_LOSSES[self.loss.name]}; set mesh.context=1")
+        return self
+
+
+# Losses whose value depends on the tokens' order in a row (context parallelism permutes it).
+ORDER_DEPENDENT_LOSSES = {
+    "m2po": "its token-dropping loop breaks ties between equal (log r)² by token position",
+}
+
 
 def config_from_dict(
     tree: Mapping[str, Any],

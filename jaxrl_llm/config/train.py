@@ -41,6 +41,10 @@ class MeshConfig(Section):
     data: int = -1  # data-parallel axis size (-1: the devices the other axes leave)
     fsdp: int = 1  # fully-sharded axis: parameters and optimizer state split over it
     tensor: int = 1  # tensor-parallel axis (heads and MLP width split)
+    # context-parallel axis: each row's tokens split over it (load-balanced causal order,
+    # keys/values all-gathered in attention; docs/plan.md § Context parallelism).
+    # 2 × context must divide train.max_seq_len (and every data.buckets length).
+    context: int = Field(1, gt=0)
 
 
 class TrainConfig(Section):

@@ -28,6 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+# The [B, T] per-token fields (the rest are per-record [B·k], or `pair_index`): split over
+# "context" as well as the rows under context parallelism (parallel/context.py).
+TOKEN_FIELDS = ("inputs", "targets", "positions", "segment_ids", "loss_mask",
+                "behavior_logprobs", "mu_logprobs", "ref_logprobs")
+
 
 @struct.dataclass
 class Batch:

@@ -34,11 +34,11 @@ Term = tuple[jax.Array, jax.Array]  # (hidden [N, d_i], unembedding rows [V, d_i
 
 @dataclasses.dataclass(frozen=True)
 class RowSharding:
-    """The tables' rows [V, d] are split along d over the mesh axis `axis` (FSDP); hashable,
-    so a static kernel argument."""
+    """The tables' rows [V, d] are split along d over the mesh axis `axis` (FSDP; a tuple of
+    axes when the state is also split over "context"); hashable, so a static kernel argument."""
 
     mesh: Mesh
-    axis: str = "fsdp"
+    axis: str | tuple[str, ...] = "fsdp"
 
     @property
     def stored(self) -> NamedSharding:
@@ -60,7 +60,9 @@ def _rows(table: jax.Array, start, size: int, sharding: RowSharding | None) -> j
         return jax.lax.all_gather(piece, sharding.axis, axis=1, tiled=True)
 
     gather = jax.shard_map(local, mesh=sharding.mesh, in_specs=(P(None, sharding.axis), P()),
-                           out_specs=P(), axis_names={sharding.axis}, check_vma=False)
+                           out_specs=P(), check_vma=False,
+                           axis_names=set((sharding.axis,) if isinstance(sharding.axis, str)
+                                          else sharding.axis))
     return gather(table, jnp.asarray(start, jnp.int32))
 
 

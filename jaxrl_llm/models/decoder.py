@@ -28,7 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrl_llm.models.attention import attention_mesh, current_mesh, resolve, self_attention
+from jaxrl_llm.models.attention import (
+    attention_mesh,
+    current_mesh,
+    fsdp_only,
+    gather_sequence,
+    resolve,
+    self_attention,
+)
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.layer_scan import LayerGradAccumulator, accumulating_layer_scan
 from jaxrl_llm.models.layers import (
@@ -48,6 +55,7 @@ from jaxrl_llm.models.layers import (
     rope_inv_freq,
     softcap,
 )
+from jaxrl_llm.parallel.context import load_balance_order
 
 Array = jax.Array
 
@@ -262,8 +270,13 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         layer_params: Any = None,
         grad_accumulator: LayerGradAccumulator | None = None,
+        context_order: int = 1,
     ) -> Array | tuple[Array, KVCache]:
         """Hidden states [B, T, d] after the final norm; `(hidden, new_cache)` with a cache.
+
+        context_order: (no cache) c > 1 says the rows' tokens are in the load-balanced order
+        of c context shards (`parallel.context.load_balance_order`): causality compares the
+        tokens' original slots, and the keys and values are gathered over the "context" axis.
 
         layer_params: the layers' pure params to use instead of the module's (e.g.
         `decode_layer_params()`, built once before a decode loop).
@@ -271,6 +284,7 @@ class Decoder(nnx.Module):
         through `layer_scan.accumulating_layer_scan`: their gradient is this plus the gradient."""
         c = self.config
         assert grad_accumulator is None or (cache is None and c.scan_layers), "scan_layers only"
+        assert context_order == 1 or cache is None, "context parallelism has no KV cache"
         chex.assert_rank(tokens, 2)
         b, t = tokens.shape
         if segment_ids is None:
@@ -287,13 +301,17 @@ class Decoder(nnx.Module):
         chex.assert_shape(positions, (b, t))
 
         dt = c.compute_jnp_dtype
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        table = self.embed[...]
+        if context_order > 1:  # gather the table over "context" first (`fsdp_only`)
+            table = fsdp_only(table, ("vocab", "embed"))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
         if c.is_gemma:
             # HF multiplies by sqrt(d) rounded to the activation dtype.
             x = x * jnp.asarray(math.sqrt(c.hidden_size), dtype=dt)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(c))
 
-        q_slots = jnp.arange(t, dtype=jnp.int32)
+        order = None if context_order == 1 else load_balance_order(t, context_order)
+        q_slots = jnp.arange(t, dtype=jnp.int32) if order is None else jnp.asarray(order)
         if cache is None:
             kv_seg, kv_pos, kv_slots = segment_ids, positions, q_slots
             cache_index = None
@@ -309,7 +327,8 @@ class Decoder(nnx.Module):
         # Without a cache a fused kernel may run (models/attention.py); with one, or for "jnp",
         # the explicit masks, built once for all layers.
         impl = "jnp" if cache is not None else resolve(
-            c.attention, dtype=dt, logit_softcap=c.attn_logit_softcap)
+            c.attention, dtype=dt, logit_softcap=c.attn_logit_softcap,
+            context=order is not None)
         masks_kinds = set(sliding)
         masks = {} if impl != "jnp" else {
             kind: attention_mask(segment_ids, positions, q_slots, kv_seg, kv_pos, kv_slots,
@@ -323,13 +342,18 @@ class Decoder(nnx.Module):
                     self_attention, segment_ids=segment_ids, scale=c.attn_scale,
                     logit_softcap=c.attn_logit_softcap, window=c.sliding_window,
                     is_local=sliding[0] if len(masks_kinds) == 1 else is_sliding,
-                    implementation=impl)
+                    implementation=impl, order=order)
             elif len(masks) == 1:
                 mask = next(iter(masks.values()))
             elif isinstance(is_sliding, bool):
                 mask = masks[is_sliding]
             else:
                 mask = jnp.where(is_sliding, masks[True], masks[False])
+            if order is not None and masks:  # queries stay split; keys/values gathered
+                explicit = mask
+                mask = lambda q, k, v: dot_product_attention(
+                    q, gather_sequence(k), gather_sequence(v), explicit, scale=c.attn_scale,
+                    logit_softcap=c.attn_logit_softcap)
             return block_forward(p, x, cos, sin, mask, kv, layer_index, cache_index, c)
 
         params = self.pure_layer_params() if layer_params is None else layer_params

@@ -18,6 +18,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl_llm.parallel.context import reorder_batch
+from jaxrl_llm.parallel.mesh import context_shards
 from jaxrl_llm.parallel.rules import batch_shardings
 
 ENV_COORDINATOR = "JAXRL_COORDINATOR"
@@ -119,8 +121,10 @@ def global_batch(local_batch: Any, mesh: Mesh) -> Any:
     for packed batches the [b·k] record slots of those rows, so process p's records follow
     process p−1's exactly as its rows do);
     `pair_index` is replicated and must be identical on every process (global row numbers).
-    Single-process runs get a plain sharded `device_put`.
+    Single-process runs get a plain sharded `device_put`. On a mesh with a "context" axis the
+    rows' tokens are put in the load-balanced order first (`parallel.context.reorder_batch`).
     """
+    local_batch = reorder_batch(local_batch, context_shards(mesh))
     count = jax.process_count()
     fields = local_batch.__dataclass_fields__
     template = local_batch.replace(
@@ -145,7 +149,9 @@ def global_batch(local_batch: Any, mesh: Mesh) -> Any:
 def global_batch_from_whole(batch: Any, mesh: Mesh) -> Any:
     """A global, sharded `Batch` from the whole batch, held identically by every process (the
     online loop: every process samples the same records). Each device takes its own slice
-    (`jax.make_array_from_callback`), so no assumption about which rows a process owns."""
+    (`jax.make_array_from_callback`), so no assumption about which rows a process owns.
+    Reordered for a "context" axis like `global_batch`."""
+    batch = reorder_batch(batch, context_shards(mesh))
     shardings = batch_shardings(batch, mesh)
     out = {}
     for name in batch.__dataclass_fields__:

@@ -1,4 +1,6 @@
-"""Device meshes with the axes ("data", "fsdp", "tensor") from the `mesh:` config section.
+"""Device meshes with the axes ("data", "fsdp", "tensor") from the `mesh:` config section, and
+("data", "fsdp", "context", "tensor") when `mesh.context` > 1 (the sequence split over
+"context": context parallelism, `parallel/context.py`).
 
 The same code builds a 1-device mesh on a laptop, an 8-device mesh over fake CPU devices in the
 tests, a 256-chip mesh over a TPU topology description for `plan`, and the global mesh of a
@@ -20,13 +22,17 @@ from jax.sharding import AxisType, Mesh
 from jaxrl_llm.core.errors import ConfigError
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+# The sequence axis of context parallelism: a mesh has it only when its size is > 1, so every
+# mesh without it keeps the three axes above (and its shardings, plans and tests).
+CONTEXT_AXIS = "context"
 # Axes a batch's leading (row) dimension is split over: every data-parallel replica and every
 # FSDP shard sees different rows (ZeRO-3 style); "tensor" shards see the same rows.
 BATCH_AXES: tuple[str, str] = ("data", "fsdp")
 
 
 class MeshSizes(Protocol):
-    """The three sizes this module reads (the `mesh:` config section has them): -1 = the rest."""
+    """The sizes this module reads (the `mesh:` config section has them): -1 = the rest.
+    `context` is optional (read with a default of 1)."""
 
     data: int
     fsdp: int
@@ -40,15 +46,28 @@ class AxisSizes:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    context: int = 1
 
 
-def resolve_mesh_shape(config: MeshSizes, num_devices: int) -> tuple[int, int, int]:
-    """Sizes of ("data", "fsdp", "tensor"); at most one may be -1 and takes the rest.
+def mesh_axes(config: MeshSizes) -> tuple[str, ...]:
+    """The mesh's axis names: `MESH_AXES`, with "context" before "tensor" when its size > 1."""
+    if getattr(config, CONTEXT_AXIS, 1) == 1:
+        return MESH_AXES
+    return ("data", "fsdp", CONTEXT_AXIS, "tensor")
+
+
+def resolve_mesh_shape(config: MeshSizes, num_devices: int) -> tuple[int, ...]:
+    """Sizes of `mesh_axes(config)` (("data", "fsdp", "tensor") unless `context` > 1); at most
+    one may be -1 and takes the rest ("context" may not be -1).
 
     Raises `ConfigError` naming the `mesh.*` keys when the sizes do not multiply to
     `num_devices`.
     """
-    sizes = {axis: getattr(config, axis) for axis in MESH_AXES}
+    context = getattr(config, CONTEXT_AXIS, 1)
+    if context < 1:
+        raise ConfigError(f"mesh.context={context}: the context axis size must be ≥ 1")
+    sizes = {axis: (context if axis == CONTEXT_AXIS else getattr(config, axis))
+             for axis in mesh_axes(config)}
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size}: a mesh axis size must be ≥ 1 or -1 (the rest)")
@@ -71,7 +90,7 @@ def resolve_mesh_shape(config: MeshSizes, num_devices: int) -> tuple[int, int, i
             f"mesh: {_describe(sizes)} multiply to {fixed} but there are {num_devices} devices; "
             "the sizes must multiply to the device count (set one axis to -1 to take the rest)"
         )
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+    return tuple(sizes.values())
 
 
 def _describe(sizes: dict[str, int]) -> str:
@@ -79,7 +98,7 @@ def _describe(sizes: dict[str, int]) -> str:
 
 
 def make_mesh(config: MeshSizes, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `Mesh` with axes ("data", "fsdp", "tensor") over `devices` (default: all devices).
+    """A `Mesh` with axes `mesh_axes(config)` over `devices` (default: all devices).
 
     Axes are `AxisType.Auto` (GSPMD propagation): jax 0.10's default Explicit axes make an
     embedding gather fail with a ShardingTypeError.
@@ -87,18 +106,25 @@ def make_mesh(config: MeshSizes, devices: Sequence[jax.Device] | None = None) ->
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(config, len(devices))
     try:
-        # Topology-aware order: "tensor" (the chattiest axis) on the closest chips.
+        # Topology-aware order: "tensor" (the chattiest axis) on the closest chips, then
+        # "context" (a K/V all-gather per layer).
         from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
     except (ValueError, RuntimeError, AssertionError):  # unknown device kinds: plain order
         grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    names = mesh_axes(config)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def batch_shards(mesh: Mesh) -> int:
     """How many ways a batch's rows are split (data × fsdp)."""
     return int(math.prod(mesh.shape[axis] for axis in BATCH_AXES))
+
+
+def context_shards(mesh: Mesh | None) -> int:
+    """How many ways the sequence is split (the "context" axis; 1 without one)."""
+    return 1 if mesh is None else int(dict(mesh.shape).get(CONTEXT_AXIS, 1))
 
 
 def describe_mesh(mesh: Mesh) -> str:

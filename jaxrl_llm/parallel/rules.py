@@ -5,9 +5,10 @@ Models annotate each parameter with logical axis names (`nnx.with_partitioning` 
 `out_sharding` metadata): "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp",
 "norm", "layers". The rules below map them to mesh axes:
 
-- "embed" → "fsdp": every weight matrix is split along d_model over the FSDP axis
-  (ZeRO-3: parameters, gradients and optimizer state are all 1/fsdp per device; XLA
-  all-gathers a layer's weights just before use).
+- "embed" → "fsdp" (and "context" on a context-parallel mesh): every weight matrix is split
+  along d_model over the FSDP axis (ZeRO-3: parameters, gradients and optimizer state are all
+  1/fsdp per device; XLA all-gathers a layer's weights just before use). The "context" shards
+  see different tokens of the same rows, so they shard the state like FSDP shards do.
 - "vocab", "q_heads", "kv_heads", "mlp" → "tensor": Megatron-style tensor parallelism.
 - "head_dim", "norm", "layers" → replicated.
 
@@ -28,13 +29,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
+from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
 
 MeshAxes = str | tuple[str, ...] | None
 
 DEFAULT_PARAM_RULES: dict[str, MeshAxes] = {
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "heads": "tensor",
@@ -60,8 +61,9 @@ def logical_to_mesh_spec(
     """PartitionSpec for an array of `shape` annotated with `logical` axis names.
 
     Unknown logical names raise (a typo in a model annotation must not silently replicate a
-    large matrix); mesh axes that do not divide the dimension, or that an earlier dimension
-    already uses, are dropped.
+    large matrix); mesh axes that do not divide the dimension, that an earlier dimension
+    already uses, or that the mesh does not have ("context" without context parallelism), are
+    dropped.
     """
     if not logical:
         return P()
@@ -83,7 +85,7 @@ def logical_to_mesh_spec(
         kept: list[str] = []
         size = 1
         for axis in _as_tuple(rules[name]):
-            axis_size = mesh.shape[axis]
+            axis_size = dict(mesh.shape).get(axis, 1)
             if axis in used or axis_size == 1 or dim % (size * axis_size):
                 continue
             kept.append(axis)
@@ -167,10 +169,13 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
 
 
-def batch_spec(name: str, ndim: int) -> P:
-    """Rows over ("data", "fsdp"); `pair_index` holds global row numbers and is replicated."""
+def batch_spec(name: str, ndim: int, mesh: Mesh | None = None) -> P:
+    """Rows over ("data", "fsdp"), and a [B, T] array's tokens over "context" when `mesh` has
+    that axis; `pair_index` holds global row numbers and is replicated."""
     if name == "pair_index" or ndim == 0:
         return P()
+    if ndim >= 2 and context_shards(mesh) > 1:
+        return P(BATCH_AXES, CONTEXT_AXIS)
     return P(BATCH_AXES)
 
 
@@ -178,18 +183,25 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
     """NamedShardings for a `Batch` (or any flax struct of arrays keyed by field name).
 
     Raises a ValueError naming the field when its row count is not a multiple of
-    data × fsdp.
+    data × fsdp, or (context parallelism) its length not a multiple of 2 × context.
     """
     shards = batch_shards(mesh)
+    context = context_shards(mesh)
     out = {}
     for name in batch.__dataclass_fields__:
         value = getattr(batch, name)
-        spec = batch_spec(name, value.ndim)
+        spec = batch_spec(name, value.ndim, mesh)
         if spec != P() and value.shape[0] % shards:
             raise ValueError(
                 f"batch.{name} has {value.shape[0]} rows, not a multiple of the mesh's "
                 f"data×fsdp = {shards}; choose train.batch_size (and micro_batch_size) as a "
                 "multiple of it"
+            )
+        if len(spec) == 2 and value.shape[1] % (2 * context):
+            raise ValueError(
+                f"batch.{name} has {value.shape[1]} tokens per row, not a multiple of "
+                f"2 × mesh.context = {2 * context} (the load-balanced chunks); choose "
+                "train.max_seq_len and data.buckets as multiples of it"
             )
         out[name] = NamedSharding(mesh, spec)
     return batch.replace(**out)
@@ -197,10 +209,11 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
 
 def batch_sharding_tree(mesh: Mesh, batch_cls: Any = None) -> Any:
     """A `Batch` whose fields are the NamedShardings of `batch_spec` (jit in_shardings)."""
+    from jaxrl_llm.data.batch import TOKEN_FIELDS
+
     if batch_cls is None:
         from jaxrl_llm.data.batch import Batch as batch_cls
-    fields = batch_cls.__dataclass_fields__
     return batch_cls(**{
-        name: NamedSharding(mesh, P() if name == "pair_index" else P(BATCH_AXES))
-        for name in fields
+        name: NamedSharding(mesh, batch_spec(name, 2 if name in TOKEN_FIELDS else 1, mesh))
+        for name in batch_cls.__dataclass_fields__
     })

@@ -26,13 +26,15 @@ from jaxrl_llm.data.batch import Batch
 from jaxrl_llm.models.attention import attention_mesh
 from jaxrl_llm.models.attention import resolve as resolve_attention
 from jaxrl_llm.models.config import resolve_compute_dtype
-from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.parallel.mesh import batch_shards, context_shards, make_mesh
 from jaxrl_llm.parallel.rules import batch_sharding_tree
 from jaxrl_llm.plan.report import (  # noqa: F401  (re-exported: `plan.GIB`, `plan.format_report`)
+    CHIP_ICI,
     CHIP_MEMORY_GIB,
     CHIP_PEAK,
     GIB,
     ArrayInfo,
+    ContextSplit,
     PlanReport,
     format_report,
 )
@@ -70,6 +72,59 @@ def attention_flops(decoder: Any, batch_size: int, seq_len: int) -> float:
     return 3.0 * sum(4.0 * c.num_heads * c.head_dim * k * tokens for k in seen)
 
 
+def context_split(config: ExperimentConfig, decoder: Any, mesh: Any) -> ContextSplit | None:
+    """Context parallelism's K/V traffic per chip and step (None without a "context" axis).
+
+    Each layer all-gathers its keys and values over "context" (the chip receives (c−1)/c of
+    its rows' T·Hkv·D·2 values), once in the forward pass and once more in remat's recomputed
+    forward, and reduce-scatters their gradients (the same bytes) in the backward pass."""
+    c = context_shards(mesh)
+    if c == 1:
+        return None
+    rows = config.train.batch_size / batch_shards(mesh)
+    t = config.train.max_seq_len
+    kv = rows * t * decoder.num_kv_heads * decoder.head_dim * 2  # keys + values
+    passes = 3 if config.model.remat != "none" else 2
+    nbytes = decoder.num_layers * passes * kv * (c - 1) / c * np.dtype(
+        decoder.compute_jnp_dtype).itemsize
+    ici = CHIP_ICI.get((config.plan.topology or "").split(":")[0].lower()) \
+        if config.plan.platform == "tpu" else None
+    return ContextSplit(shards=c, tokens_per_chip=int(rows * t // c), collective_bytes=nbytes,
+                        collective_seconds=None if ici is None else nbytes / ici)
+
+
+def saved_layer_inputs(config: ExperimentConfig, decoder: Any, mesh: Any) -> float:
+    """Per-device bytes of the layer inputs the backward pass needs, a lower bound on the
+    activations: every layer's [rows, T/context, d] input in the compute dtype (what
+    `remat: full` keeps; without remat the step keeps more), for one micro-batch."""
+    micro = config.train.micro_batch_size or config.train.batch_size
+    rows = max(micro // batch_shards(mesh), 1)
+    tokens = rows * config.train.max_seq_len / context_shards(mesh)
+    return decoder.num_layers * tokens * decoder.hidden_size * np.dtype(
+        decoder.compute_jnp_dtype).itemsize
+
+
+def refuse_before_compiling(config: ExperimentConfig, decoder: Any, mesh: Any,
+                            state_bytes: int, topology: str) -> None:
+    """`PlanOutOfMemory` without compiling when the state plus `saved_layer_inputs` (both
+    lower bounds of the peak) already exceed a chip, with the figures and the keys."""
+    chip = _chip_memory(config)
+    floor = saved_layer_inputs(config, decoder, mesh)
+    if chip is None or state_bytes + floor <= chip:
+        return
+    c = context_shards(mesh)
+    raise PlanOutOfMemory(
+        f"{config.name}: the train step cannot fit on {topology} (mesh {dict(mesh.shape)}), "
+        f"refused before compiling: the state alone is {state_bytes / GIB:.2f} GiB per chip "
+        f"and the {decoder.num_layers} layer inputs the backward pass keeps "
+        f"({config.train.max_seq_len:,} tokens per row / mesh.context={c}, "
+        f"{(config.train.micro_batch_size or config.train.batch_size) // batch_shards(mesh)} "
+        f"row(s) per chip per micro-batch) {floor / GIB:.2f} GiB, over the chip's "
+        f"{chip / GIB:.2f} GiB. Raise mesh.context (splits each row's tokens; 2 × context "
+        "must divide train.max_seq_len), lower train.micro_batch_size or train.max_seq_len, "
+        "or raise mesh.fsdp.")
+
+
 def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
@@ -93,7 +148,7 @@ def _tpu_devices(topology: str) -> list[Any]:
 def _needed_devices(config: ExperimentConfig) -> int:
     if config.plan.num_devices is not None:
         return config.plan.num_devices
-    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
+    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.mesh.context]
     if -1 in sizes:
         raise ConfigError(
             "plan on CPU: mesh has a -1 axis, so set plan.num_devices to say how many devices "
@@ -201,14 +256,17 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     config = config.model_copy(update={"model": model})
     mesh = make_mesh(config.mesh, devices)
     state = abstract_train_state(config, mesh)
+    decoder = decoder_config(config.model)
+    refuse_before_compiling(config, decoder, mesh, sum(_array_infos(state)[1].values()),
+                            topology)
     batch = abstract_batch(config, mesh)
     step = make_train_step(config, mesh, state)
-    decoder = decoder_config(config.model)
     start = time.perf_counter()
     with attention_mesh(mesh):  # "auto" attention resolves for the mesh's platform
         lowered = step.lower(state, batch)
         impl = resolve_attention(decoder.attention, dtype=decoder.compute_jnp_dtype,
-                                 logit_softcap=decoder.attn_logit_softcap)
+                                 logit_softcap=decoder.attn_logit_softcap,
+                                 context=context_shards(mesh) > 1)
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA raises JaxRuntimeError; only memory exhaustion is a result
@@ -217,8 +275,9 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         raise PlanOutOfMemory(
             f"{config.name}: the train step does not fit on {topology} "
             f"(mesh {dict(mesh.shape)}): {str(err).splitlines()[0]}\n"
-            "Try model.remat=full, a smaller train.micro_batch_size, a larger mesh.fsdp, "
-            "model.scan_layers=true or a smaller loss.logprob_chunk_size."
+            "Try model.remat=full, a smaller train.micro_batch_size, a larger mesh.fsdp, a "
+            "larger mesh.context (splits each row's tokens), model.scan_layers=true or a "
+            "smaller loss.logprob_chunk_size."
         ) from None
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
@@ -229,8 +288,8 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     n_params = count_params(state.params)
     frozen = count_params(state.model_state)  # the frozen base under LoRA; else ≈ 0
     tokens = config.train.batch_size * config.train.max_seq_len
-    if impl == "splash" and config.train.max_seq_len % 128:
-        impl = "jnp"  # models/attention.py: the kernel tiles 128-multiple sequences
+    if impl == "splash" and config.train.max_seq_len // context_shards(mesh) % 128:
+        impl = "jnp"  # models/attention.py: the kernel tiles 128-multiple sequences per device
     attn = attention_flops(decoder, config.train.batch_size, config.train.max_seq_len)
     # remat=full recomputes the forward in the backward pass: 8·N·tokens instead of 6.
     recompute = 4 / 3 if config.model.remat == "full" else 1.0
@@ -264,6 +323,7 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         attention_flops=attn,
         hardware_flops=recompute * (6.0 * (n_params + frozen) * tokens + attn),
         chip_peak=_chip_peak(config),
+        context=context_split(config, decoder, mesh),
     )
 
 

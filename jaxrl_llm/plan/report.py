@@ -15,6 +15,21 @@ CHIP_MEMORY_GIB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e
 # Peak dense bf16 FLOP/s and HBM bytes/s per chip (public Cloud TPU specs), for the roofline.
 CHIP_PEAK = {"v4": (275e12, 1228e9), "v5e": (197e12, 819e9), "v5litepod": (197e12, 819e9),
              "v5p": (459e12, 2765e9), "v6e": (918e12, 1640e9)}
+# Inter-chip interconnect bytes/s per chip (public Cloud TPU specs: v4 2,400 Gbps, v5e 1,600,
+# v5p 4,800, v6e 3,584), for the time of context parallelism's K/V all-gathers.
+CHIP_ICI = {"v4": 300e9, "v5e": 200e9, "v5litepod": 200e9, "v5p": 600e9, "v6e": 448e9}
+
+
+@dataclass
+class ContextSplit:
+    """Context parallelism's traffic (`plan.context_split`): per chip and step, the bytes of
+    keys and values it receives in the all-gathers (forward, remat's recomputed forward) and
+    sends back as gradient reduce-scatters, and their time at the chip's ICI bandwidth."""
+
+    shards: int  # mesh.context
+    tokens_per_chip: int  # rows per chip × T / context, per step
+    collective_bytes: float  # per chip and step
+    collective_seconds: float | None  # at CHIP_ICI; None off TPU
 
 
 @dataclass
@@ -59,6 +74,7 @@ class PlanReport:
     attention_flops: float = 0.0  # causal attention matmuls, forward + backward, all devices
     hardware_flops: float = 0.0  # model + attention + remat's recomputed forward, all devices
     chip_peak: tuple[float, float] | None = None  # (FLOP/s, HBM bytes/s)
+    context: ContextSplit | None = None  # mesh.context > 1
 
     @property
     def roofline_seconds(self) -> float | None:
@@ -145,6 +161,14 @@ def format_report(r: PlanReport) -> str:
         f"| attention FLOPs (causal, fwd + bwd) | {r.attention_flops:.3e} |",
         f"| attention kernel | {r.attention} ({r.pallas_kernels} Pallas TPU kernels compiled) |",
     ]
+    if r.context is not None:
+        cx = r.context
+        time = "" if cx.collective_seconds is None else f" ≈ {cx.collective_seconds:.2f} s at ICI"
+        lines += [
+            f"| context split: {cx.shards} shards, tokens per chip | {cx.tokens_per_chip:,} |",
+            f"| context split: K/V all-gather + reduce-scatter bytes per chip | "
+            f"{_gib(cx.collective_bytes)}{time} |",
+        ]
     bound = r.roofline_seconds
     if bound is not None:
         lines += [

@@ -16,6 +16,7 @@ from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.losses.logprobs import token_logprobs
+from jaxrl_llm.parallel.context import load_balance_order, padded_length, restore_order
 from jaxrl_llm.parallel.memory import (
     InsufficientMemory,
     available_memory,
@@ -23,8 +24,8 @@ from jaxrl_llm.parallel.memory import (
     fits,
     program_memory,
 )
-from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, make_mesh
-from jaxrl_llm.parallel.rules import state_shardings
+from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, context_shards, make_mesh
+from jaxrl_llm.parallel.rules import batch_spec, state_shardings
 from jaxrl_llm.sampling.sampler import default_bucket  # the sampler's padded-length buckets
 from jaxrl_llm.train.state import split_model
 from jaxrl_llm.train.step import forward
@@ -100,6 +101,10 @@ class Scorer:
         self.model_state = jax.tree.map(jax.device_put, rest, state_shardings(rest, mesh))
         lora = getattr(getattr(model, "config", None), "lora", None) is not None
         self.rows = NamedSharding(mesh, P(BATCH_AXES))
+        # inputs: rows over the batch axes and, on a "context" axis, tokens over it (in the
+        # load-balanced order, `parallel/context.py`); outputs come back whole along T
+        self.tokens = NamedSharding(mesh, batch_spec("inputs", 2, mesh))
+        self.context = context_shards(mesh)
 
         def score(params, model_state, inputs, targets, positions, segment_ids):
             hidden, unembed, softcap = forward(graphdef, params, model_state, inputs, positions,
@@ -120,13 +125,14 @@ class Scorer:
                                           softcap=softcap)
             return mu, (mu if temperature == REF_TEMPERATURE else logprobs(REF_TEMPERATURE))
 
-        self._score = jax.jit(score, out_shardings=(self.rows, self.rows))
+        self._score = jax.jit(score, out_shardings=(self.rows, self.rows))  # T whole
 
     def check_memory(self, batch_size: int, length: int) -> None:
         """Compile the pass for its largest batch (`batch_size` global rows of `length`
         tokens: jit's cache keeps it for the calls) and refuse it when it would not fit in the
         memory left (`parallel/memory.py`), naming `generate.score_batch_size`."""
-        spec = jax.ShapeDtypeStruct((batch_size, length), np.int32, sharding=self.rows)
+        length = padded_length(length, self.context)
+        spec = jax.ShapeDtypeStruct((batch_size, length), np.int32, sharding=self.tokens)
         compiled = self._score.lower(self.params, self.model_state, *[spec] * 4).compile()
         memory = program_memory(compiled, self.mesh)
         available = available_memory(self.mesh.devices.flat[0])
@@ -137,12 +143,23 @@ class Scorer:
 
     def __call__(self, inputs: np.ndarray, targets: np.ndarray, positions: np.ndarray,
                  segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        local = inputs.shape[0]
-        global_shape = (local * jax.process_count(), *inputs.shape[1:])
-        arrays = [jax.make_array_from_process_local_data(self.rows, np.asarray(a), global_shape)
-                  for a in (inputs, targets, positions, segment_ids)]
+        local, length = inputs.shape
+        rows = _context_rows([inputs, targets, positions, segment_ids], self.context)
+        global_shape = (local * jax.process_count(), rows[0].shape[1])
+        arrays = [jax.make_array_from_process_local_data(self.tokens, a, global_shape)
+                  for a in rows]
         mu, ref = self._score(self.params, self.model_state, *arrays)
-        return _local_rows(mu), _local_rows(ref)
+        return tuple(restore_order(_local_rows(x), self.context)[:, :length] for x in (mu, ref))
+
+
+def _context_rows(arrays: list[np.ndarray], context: int) -> list[np.ndarray]:
+    """Token rows padded (segment 0) to a multiple of 2c and put in the load-balanced order of
+    c context shards (`parallel/context.py`); unchanged for c = 1."""
+    if context == 1:
+        return [np.asarray(a) for a in arrays]
+    length = arrays[0].shape[1]
+    order = load_balance_order(padded_length(length, context), context)
+    return [np.pad(np.asarray(a), ((0, 0), (0, order.size - length)))[:, order] for a in arrays]
 
 
 def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh: Mesh | None = None,

@@ -47,8 +47,8 @@ from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.models.attention import attention_mesh
 from jaxrl_llm.models.layer_scan import LayerGradAccumulator
-from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_shards
-from jaxrl_llm.parallel.rules import batch_sharding_tree
+from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
+from jaxrl_llm.parallel.rules import batch_sharding_tree, logical_to_mesh_spec
 from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
 from jaxrl_llm.train.monitors import MONITORS, batch_monitors, finish
 from jaxrl_llm.train.nonfinite import NONFINITE_KEY, first_nonfinite
@@ -63,14 +63,16 @@ def _vocab_axis(mesh: Mesh, vocab: int) -> str | None:
 
 
 def unembed_row_sharding(mesh: Mesh | None, unembed_shape: tuple[int, ...]) -> RowSharding | None:
-    """FSDP layout of the log-prob kernel's table (rows [V, d], d split over "fsdp", one
-    vocabulary chunk gathered at a time), or None where the whole-table gather of `forward`
-    applies instead: no mesh, no FSDP split of d, or vocab split over "tensor"."""
+    """FSDP layout of the log-prob kernel's table (rows [V, d], d split over "fsdp" — and
+    "context" when the rules put it there — one vocabulary chunk gathered at a time), or None
+    where the whole-table gather of `forward` applies instead: no mesh, no FSDP split of d,
+    or vocab split over "tensor"."""
     if mesh is None or mesh.shape["fsdp"] == 1 or unembed_shape[0] % mesh.shape["fsdp"]:
         return None
     if mesh.shape["tensor"] > 1 and _vocab_axis(mesh, unembed_shape[1]) is not None:
         return None
-    return RowSharding(mesh, "fsdp")
+    axes = logical_to_mesh_spec(("embed",), unembed_shape[:1], mesh)[0]
+    return RowSharding(mesh, axes)
 
 
 def gather_unembedding(unembed: jax.Array, mesh: Mesh) -> jax.Array:
@@ -106,17 +108,24 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
     with attention_mesh(mesh):  # fused attention kernels run per shard of this mesh
         # passed only when set: models other than `Decoder` (test models) do not take it
         extra = {} if grad_accumulator is None else {"grad_accumulator": grad_accumulator}
+        if context_shards(mesh) > 1:  # the batch is in the load-balanced order (global_batch)
+            extra["context_order"] = context_shards(mesh)
         hidden = model(inputs, positions=positions, segment_ids=segment_ids, **extra)
     softcap = getattr(model, "final_logit_softcap", None)
     # In the compute dtype, as the layers cast theirs: float32 weights with bf16 compute.
     unembed = model.unembedding().astype(hidden.dtype)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(
-            hidden, NamedSharding(mesh, P(BATCH_AXES, None, None))
+            hidden, NamedSharding(mesh, P(BATCH_AXES, _sequence_axis(mesh), None))
         )
         if gather_unembed:
             unembed = gather_unembedding(unembed, mesh)
     return hidden, unembed, softcap
+
+
+def _sequence_axis(mesh: Mesh) -> str | None:
+    """The mesh axis a row's tokens are split over: "context", or None without one."""
+    return CONTEXT_AXIS if context_shards(mesh) > 1 else None
 
 
 def num_micro_batches(config: ExperimentConfig, batch_size: int, mesh: Mesh) -> int:
@@ -145,11 +154,11 @@ def _split_micro(batch: Batch, n: int, mesh: Mesh) -> Batch:
     """[B, ...] → [n, B/n, ...] (contiguous rows), each micro-batch sharded over all batch
     shards (one reshuffle of the small integer/float batch per step). Per-record arrays
     [B·k] become [n, B·k/n]: micro-batch m holds exactly the records of its rows."""
-    spec = NamedSharding(mesh, P(None, BATCH_AXES))
-
     def split(x: jax.Array) -> jax.Array:
         y = x.reshape(n, x.shape[0] // n, *x.shape[1:])
-        return jax.lax.with_sharding_constraint(y, spec)
+        tokens = (_sequence_axis(mesh),) if x.ndim == 2 else ()
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, BATCH_AXES,
+                                                                         *tokens)))
 
     fields = {
         name: split(getattr(batch, name))
