@@ -80,8 +80,8 @@ class ContinuousSampler(Sampler):
                  on_segment: Callable[[int, int], None] | None = None,
                  prompt_ids: Sequence[int] | None = None) -> GenerationOutput:
         """`Sampler.generate`'s contract. `on_segment(0, 0)` runs before the first prefill
-        and `on_segment(0, t)` after each decode segment (t: the longest running sample's
-        tokens, 0 once none runs);
+        and `on_segment(0, t)` after each decode segment (t ≥ 1: the longest sample's tokens
+        among those that ran in it);
         `on_batch(k)` when k more prompts have all their samples. `progress` is unused."""
         del progress
         prompts = self.checked_prompts(prompts, params)
@@ -165,6 +165,7 @@ class ContinuousSampler(Sampler):
             if self.segment_s is not None and done:
                 rate = done / max(time.perf_counter() - start, 1e-6)
                 self._timed_steps = max(1, int(self.segment_s * rate))
+            longest_t = int(np.max(slot["t"], where=busy, initial=1))  # (busy is not empty)
             finished = np.flatnonzero(busy & ~slot["active"])
             if len(finished):
                 out = {k: host_array(v) for k, v in carry["out"].items()}
@@ -178,8 +179,8 @@ class ContinuousSampler(Sampler):
                 np.add.at(done_per_prompt, rows // n, 1)
                 if on_batch is not None and np.sum(done_per_prompt == n) > before:
                     on_batch(int(np.sum(done_per_prompt == n)) - before)
-            if on_segment is not None:  # the longest sample still running
-                on_segment(0, int(np.max(slot["t"], where=busy, initial=0)))
+            if on_segment is not None:
+                on_segment(0, longest_t)
         return GenerationOutput(
             prompt_index=np.repeat(np.arange(count), n), sample_index=np.tile(np.arange(n), count),
             tokens=host["tokens"], logprobs=host["logprobs"], raw_logprobs=host["raw_logprobs"],
