@@ -11,7 +11,10 @@ the prompt store (one program of fixed shape [K, W]; a prompt is prefilled once)
 rows into free slots, one per sample (its n samples are n copies of the prompt's keys and values:
 the KV bytes per concurrent sequence stay W + max_new_tokens slots, `kv_bytes_per_sequence`);
 then decode all slots until `refill_slots` of them are free (or the segment's steps are done),
-collect the finished samples, and refill. Decode never waits for the longest sample of a batch;
+collect the finished samples, and refill. The cache of every slot is cut to the narrowest of a
+few windows (`window_ends`) that holds the longest running sample, so steps do not attend over
+max_new_tokens empty slots; once no work waits, the slots still running are gathered into
+fewer rows (`select_slots`) as the static sampler drops finished rows. Decode never waits for the longest sample of a batch;
 a prefill runs between decode segments (it is not split into chunks), so the slots still
 decoding wait for it: K prompts at width W, about refill_slots / n prompts per refill.
 """
@@ -36,8 +39,16 @@ from jaxrl_llm.sampling.sampler import (
     GenerationOutput,
     Sampler,
     SamplingParams,
+    window_ends,
 )
-from jaxrl_llm.sampling.slot_program import assign_slots, decode_slots, init_slots, prefill_store
+from jaxrl_llm.sampling.slot_program import (
+    assign_slots,
+    decode_slots,
+    init_slots,
+    prefill_store,
+    resize_slots,
+    select_slots,
+)
 
 Array = jax.Array
 
@@ -55,17 +66,24 @@ class ContinuousSampler(Sampler):
     refill_slots: the decode loop returns to refill once this many slots are free (default
         slots / 4); the prompt store holds ceil(refill_slots / n) prompts.
     segment_steps / segment_s: as `Sampler` (how often `on_segment` runs at most).
+    cache_windows: the slots' cache is W + e slots wide for e in `window_ends` (max_new_tokens,
+        cache_windows): each segment runs on the narrowest that holds every running sample's
+        next token, so a step attends over the context the longest running sample needs.
+    min_rows: once no work waits and at most half the slots run, only the running ones go on
+        (a power of two ≥ min_rows of them), as `Sampler` drops finished rows.
     """
 
     def __init__(self, model: Any, *, slots: int, pad_token_id: int = 0,
                  batch_size: int | None = None, refill_slots: int | None = None,
                  prompt_buckets: Sequence[int] | None = None, cache_dtype: Any = None,
-                 segment_steps: int | None = None, segment_s: float | None = None):
+                 segment_steps: int | None = None, segment_s: float | None = None,
+                 cache_windows: int = 4, min_rows: int = 4):
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
         super().__init__(model, pad_token_id=pad_token_id, batch_size=batch_size or slots,
                          prompt_buckets=prompt_buckets, cache_dtype=cache_dtype,
-                         segment_steps=segment_steps, segment_s=segment_s)
+                         segment_steps=segment_steps, segment_s=segment_s,
+                         cache_windows=cache_windows, min_rows=min_rows)
         self.slots = int(slots)
         self.refill_slots = int(refill_slots or max(1, slots // 4))
         if not 1 <= self.refill_slots <= self.slots:
@@ -103,7 +121,8 @@ class ContinuousSampler(Sampler):
                       stop_ids=jnp.asarray(params.stop_token_ids or (-1,), jnp.int32))
         static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
                       return_logits=return_logits)
-        carry = init_slots(self.model, slots=self.slots, cache_len=width + max_new,
+        widths = [width + end for end in window_ends(max_new, self.cache_windows)]
+        carry = init_slots(self.model, slots=self.slots, cache_len=widths[0],
                            cache_dtype=cache_dtype, max_new=max_new, vocab=vocab,
                            pad_token_id=self.pad_token_id, key=key,
                            return_logits=return_logits)
@@ -121,6 +140,7 @@ class ContinuousSampler(Sampler):
         done_per_prompt = np.zeros(count, np.int32)
         busy = np.zeros(self.slots, bool)
         slot_row = np.zeros(self.slots, np.int64)  # the output row of each slot's sample
+        index = np.zeros(self.slots, np.int64)  # each slot's next cache slot (= position)
         next_prompt = 0
         longest = max_new if not params.stop_token_ids else (
             self.segment_steps or max(8, math.ceil(max_new / 8)))
@@ -147,21 +167,34 @@ class ContinuousSampler(Sampler):
                 carry = self._assign(carry, store, plan, key, traced, static)
                 for slot_index, row, _, sample in plan:
                     slot_row[slot_index] = held[row] * n + sample
+                    index[slot_index] = len(prompts[held[row]])
                 busy[[p[0] for p in plan]] = True
                 free = free[len(plan):]
             if not busy.any():
                 break
             more = next_prompt < count or any(g < n for g in given)
             steps = longest if self.segment_s is None else min(longest, self._timed_steps)
+            if not more and busy.sum() <= len(busy) // 2 and len(busy) > self.min_rows:
+                keep = self._tail_rows(busy)  # the tail: fewer rows
+                carry = select_slots(carry, jnp.asarray(keep, jnp.int32))
+                busy, slot_row, index = busy[keep], slot_row[keep], index[keep]
+            # The smallest cache window every running sample fits in for at least one step.
+            top = int(index[busy].max())
+            cache_len = next(w for w in widths if w > top)
+            if cache_len != carry["state"]["cache"].max_len:
+                carry = resize_slots(carry, cache_len)
+            steps = min(steps, cache_len - top)
             start = time.perf_counter()
             carry = decode_slots(graphdef, state, layer_params, carry, jnp.int32(steps),
-                                 jnp.int32(self.refill_slots if more else self.slots + 1),
+                                 jnp.int32(self.refill_slots if more else len(busy) + 1),
                                  **traced, **static)
             slot = {k: host_array(carry["state"][k])
-                    for k in ("active", "t", "stopped")}
+                    for k in ("active", "t", "stopped", "position")}
+            index = slot["position"].astype(np.int64)
             done = int(host_array(carry["steps"]))
             self.steps += done
-            self.rows_decoded += self.slots * done
+            self.rows_decoded += len(busy) * done
+            self.slots_attended += len(busy) * done * cache_len
             if self.segment_s is not None and done:
                 rate = done / max(time.perf_counter() - start, 1e-6)
                 self._timed_steps = max(1, int(self.segment_s * rate))
@@ -188,6 +221,12 @@ class ContinuousSampler(Sampler):
             finish_reason=np.where(host["stopped"], FINISH_STOP, FINISH_LENGTH),
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             logits=host.get("logits"))
+
+    def _tail_rows(self, busy: np.ndarray) -> np.ndarray:
+        """The slots to keep once no work waits: the busy ones, padded with free ones to a
+        power of two ≥ `min_rows` (few compiled sizes)."""
+        size = max(self.min_rows, 1 << max(0, math.ceil(math.log2(busy.sum()))))
+        return np.concatenate([np.flatnonzero(busy), np.flatnonzero(~busy)])[:size]
 
     def _prefill(self, graphdef, state, layer_params, store: dict, prompts: list[list[int]],
                  ids: range, rows: list[int], width: int, held: list[int],

@@ -31,6 +31,8 @@ from jaxrl_llm.sampling.decode_program import (
     Program,
     _last_logits,
     _layer_kwargs,
+    _map_rows,
+    _map_slots,
     sample_key,
     sample_step,
 )
@@ -222,3 +224,25 @@ def decode_slots(graphdef, state, layer_params: Any, carry: dict, steps: Array,
     steps, slot, out = jax.lax.while_loop(cond, body,
                                           (jnp.int32(0), carry["state"], carry["out"]))
     return dict(state=slot, out=out, steps=steps)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))  # new shapes: nothing to donate
+def resize_slots(carry: dict, width: int) -> dict:
+    """The carry with its cache cut or padded to `width` slots per row. Cutting drops only
+    slots no running sample has reached (the driver's rule); a free row is rewritten whole
+    when it is assigned, and empty slots (segment id 0) are never attended to."""
+    cache = carry["state"]["cache"]
+    extra = width - cache.max_len
+    fit = lambda a, axis: (jax.lax.slice_in_dim(a, 0, width, axis=axis) if extra < 0 else
+                           jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)]))
+    return dict(carry, state=dict(carry["state"], cache=_map_slots(cache, fit)))
+
+
+@jax.jit
+def select_slots(carry: dict, rows: Array) -> dict:
+    """Keep slots `rows` [R'] of every per-slot buffer (cache, state, outputs)."""
+    take = lambda a, axis=0: jnp.take(a, rows, axis=axis)
+    state = carry["state"]
+    cache = _map_rows(state["cache"], take).replace(index=take(state["cache"].index))
+    state = {name: cache if name == "cache" else take(value) for name, value in state.items()}
+    return dict(carry, state=state, out={name: take(buf) for name, buf in carry["out"].items()})

@@ -117,3 +117,20 @@ def test_build_sampler_gives_the_continuous_sampler_unless_asked(model):
     with pytest.raises(ValueError, match="batching='paged'"):
         build_sampler(model, None, PROMPTS, batch_size=4, n=3, max_new_tokens=8,
                       key="generate.batch_size", batching="paged")
+
+
+def test_cache_windows_and_tail_rows_cut_the_work_not_the_samples(model):
+    """70 new tokens: two cache windows (8 + 36 and 8 + 70 slots); once no prompt waits the
+    running samples are gathered into fewer rows. Same samples as one full-width window on
+    all slots throughout (the noise is per sample; empty slots are never attended to)."""
+    params = _params(max_new_tokens=70, stop_token_ids=(3,))
+    lean = ContinuousSampler(model, slots=8, prompt_buckets=(8,), min_rows=2)
+    full = ContinuousSampler(model, slots=8, prompt_buckets=(8,), cache_windows=1, min_rows=8)
+    a = lean.generate(PROMPTS, params, jax.random.key(2))
+    b = full.generate(PROMPTS, params, jax.random.key(2))
+    assert a.lengths.min() < 10 and a.lengths.max() == 70  # ragged: some run to the end
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    assert full.slots_attended == full.rows_decoded * (8 + 70)
+    assert lean.rows_decoded < full.rows_decoded
+    assert lean.slots_attended < lean.rows_decoded * (8 + 70)
