@@ -58,9 +58,16 @@ WORKLOADS = {  # name: (prompts, n, concurrency, temperature, max_new, stop at E
 }
 
 
-def prompts_for(tok, name: str, scale: float) -> list[list[int]]:
-    count, _, _, _, _, _, long_mix = WORKLOADS[name]
-    count = max(1, int(count * scale))
+def workload(name: str, args) -> tuple:
+    """WORKLOADS[name] at the run's sizes: prompts × --scale, concurrency × --conc-scale,
+    greedy rows' new tokens = --greedy-new."""
+    count, n, conc, temp, new, stop, long_mix = WORKLOADS[name]
+    return (max(1, int(count * args.scale)), n, max(n, int(conc * args.conc_scale)), temp,
+            args.greedy_new if temp == 0 else new, stop, long_mix)
+
+
+def prompts_for(tok, name: str, args) -> list[list[int]]:
+    count, *_, long_mix = workload(name, args)
     chat = lambda q: tok(tok.apply_chat_template([{"role": "user", "content": q}],
                                                  tokenize=False, add_generation_prompt=True),
                          add_special_tokens=False)["input_ids"]
@@ -91,7 +98,7 @@ def child(framework: str, model_dir: str, args) -> dict:
         engines: dict[int, object] = {}
 
         def runner(name, prompts, max_new=None):
-            _, n, conc, temp, new, stop, _ = WORKLOADS[name]
+            _, n, conc, temp, new, stop, _ = workload(name, args)
             if conc not in engines:
                 t0 = time.perf_counter()
                 engines[conc] = LLM(model=model_dir, dtype=args.dtype, max_model_len=1024,
@@ -111,7 +118,7 @@ def child(framework: str, model_dir: str, args) -> dict:
         model = load_pretrained(model_dir, dtype=args.dtype, compute_dtype=args.dtype)
 
         def runner(name, prompts, max_new=None):
-            _, n, conc, temp, new, stop, _ = WORKLOADS[name]
+            _, n, conc, temp, new, stop, _ = workload(name, args)
             sampler = (Sampler(model, pad_token_id=pad, batch_size=max(1, conc // n))
                        if framework == "old" else
                        ContinuousSampler(model, slots=conc, pad_token_id=pad))
@@ -126,8 +133,8 @@ def child(framework: str, model_dir: str, args) -> dict:
                 return int(np.asarray(out.lengths).sum())
             return run
     for name in names:
-        prompts = prompts_for(tok, name, args.scale)
-        _, n, conc, *_ = WORKLOADS[name]
+        prompts = prompts_for(tok, name, args)
+        _, n, conc, *_ = workload(name, args)
         first = prompts[:max(1, conc // n)]
         runner(name, first)()  # warm-up (JAX compiles here; the same shapes as the timed calls)
         ttft_fn = runner(name, first, max_new=1)
@@ -153,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the prompt counts")
+    ap.add_argument("--conc-scale", type=float, default=1.0,
+                    help="multiplies the concurrent sequences of the T = 1 rows")
+    ap.add_argument("--greedy-new", type=int, default=128, help="the greedy rows' new tokens")
     ap.add_argument("--runs", type=int, default=1, help="timed calls per workload")
     ap.add_argument("--frameworks", default="old,new,vllm")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -168,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(export_smollm2(Path(tmp) / "smollm2", args.dtype))
         flags = ["--workloads", args.workloads, "--scale", str(args.scale), "--runs",
-                 str(args.runs), "--dtype", args.dtype]
+                 str(args.runs), "--dtype", args.dtype, "--conc-scale", str(args.conc_scale),
+                 "--greedy-new", str(args.greedy_new)]
         for fw in frameworks:
             done = subprocess.run([sys.executable, __file__, *flags, "--child", fw, model_dir],
                                   stdout=subprocess.PIPE, text=True)
@@ -178,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.workloads.split(","):
         row = dict(workload=name, **{k: results[frameworks[0]][name][k]
-                                     for k in ("prompts", "n", "concurrency")})
+                                     for k in ("prompts", "n", "concurrency")},
+                   max_new_tokens=workload(name, args)[4])
         for fw in frameworks:
             r = results[fw][name]
             row[f"{fw}_tokens_per_s"] = r["tokens"] / statistics.median(r["times"])
@@ -193,22 +205,26 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = dict(cpu=cpu_name(), cores=len(os.sched_getaffinity(0)), dtype=args.dtype,
-                scale=args.scale, runs=args.runs, jax=jax.__version__,
+                scale=args.scale, conc_scale=args.conc_scale, greedy_new=args.greedy_new,
+                runs=args.runs, jax=jax.__version__,
                 load_average_before=load_before, load_average_after=os.getloadavg(),
                 peak_rss_gib={fw: results[fw]["peak_rss_gib"] for fw in frameworks},
                 vllm_environment=results.get("vllm", {}).get("environment"), argv=sys.argv[1:])
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows, raw=results), indent=2) + "\n")
-    head = "| workload | prompts × n | concurrent | " + " | ".join(
+    head = "| workload | prompts × n | concurrent | new tokens | " + " | ".join(
         f"{fw} tok/s" for fw in frameworks) + " | new ÷ old | new ÷ vLLM | TTFT old / new / vLLM (s) |"
     lines = [head, "| --- |" + " ---: |" * (head.count("|") - 2)]
     for r in rows:
         rates = " | ".join(f"{r[f'{fw}_tokens_per_s']:.1f}" for fw in frameworks)
         ttft = " / ".join(f"{r[f'{fw}_ttft_s']:.2f}" for fw in frameworks)
         lines.append(f"| {r['workload']} | {r['prompts']} × {r['n']} | {r['concurrency']} | "
+                     f"{'≤ ' if r['workload'] in ('eos_n8', 'longtail') else ''}"
+                     f"{r['max_new_tokens']} | "
                      f"{rates} | {r.get('new_tokens_per_s', 0) / r.get('old_tokens_per_s', 1):.2f}× | "
                      f"{r.get('new_over_vllm', float('nan')):.2f}× | {ttft} |")
     Path(args.out).with_suffix(".md").write_text(
-        f"{meta['cpu']}, {meta['cores']} cores, {args.dtype}, scale {args.scale}, {args.runs} "
+        f"{meta['cpu']}, {meta['cores']} cores, {args.dtype}, prompts × {args.scale}, "
+        f"T = 1 concurrency × {args.conc_scale}, {args.runs} "
         f"timed run(s); load average before {load_before[0]:.1f}, after "
         f"{meta['load_average_after'][0]:.1f}; peak RSS (GiB) "
         + ", ".join(f"{fw} {v:.2f}" for fw, v in meta["peak_rss_gib"].items())

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.parallel.memory import (
     HOST_OVERHEAD,
     MARGIN,
@@ -78,6 +79,14 @@ def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]
     "continuous" (batch_size × n slots refilled as samples end) or "static"."""
     if batching not in BATCHING:
         raise ValueError(f"batching={batching!r}: expected one of {BATCHING}")
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = max(map(len, prompt_ids), default=0)
+    if context is not None and longest > context:
+        index = next(i for i, p in enumerate(prompt_ids) if len(p) == longest)
+        raise ConfigError(
+            f"prompt {index} has {longest} tokens, more than the model's context of {context} "
+            "(model.max_position_embeddings); prompts are never truncated: use shorter prompts "
+            "(e.g. data.task_options: {num_shots: 0}) or a model with a longer context")
     prompt_len = default_bucket(max(map(len, prompt_ids), default=1))
     fitted = fit_sampler_batch(model, batch_size=batch_size, n=n, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens, key=key, say=say)
