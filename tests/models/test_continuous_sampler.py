@@ -134,3 +134,23 @@ def test_cache_windows_and_tail_rows_cut_the_work_not_the_samples(model):
     assert full.slots_attended == full.rows_decoded * (8 + 70)
     assert lean.rows_decoded < full.rows_decoded
     assert lean.slots_attended < lean.rows_decoded * (8 + 70)
+
+
+def test_a_model_sharded_over_a_mesh_samples_what_one_device_samples(model):
+    """Weights sharded fsdp × tensor over 4 of the 8 fake devices (tests/conftest.py): the
+    slot programs run on the sharded state and give the one-device samples."""
+    from jaxrl_llm.config.train import MeshConfig
+    from jaxrl_llm.parallel.mesh import make_mesh
+    from jaxrl_llm.parallel.rules import state_shardings
+
+    params = _params()
+    one = ContinuousSampler(model, slots=4, prompt_buckets=(8,)).generate(
+        PROMPTS, params, jax.random.key(4))
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), devices=jax.devices()[:4])
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        sharded = nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))
+        out = ContinuousSampler(sharded, slots=4, prompt_buckets=(8,)).generate(
+            PROMPTS, params, jax.random.key(4))
+    np.testing.assert_array_equal(out.tokens, one.tokens)
+    np.testing.assert_allclose(out.logprobs, one.logprobs, atol=1e-5)
