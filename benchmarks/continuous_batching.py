@@ -22,6 +22,9 @@ sequences. Peak memory: the child's peak RSS. Writes benchmarks/results/continuo
 .json and .md.
 
     nice -n 5 python benchmarks/continuous_batching.py --runs 1
+    # the README's run (a loaded shared machine): smaller T = 1 rows, 32 greedy tokens
+    nice -n 5 python benchmarks/continuous_batching.py --scale 0.5 --conc-scale 0.5 \
+        --greedy-new 32
 """
 
 from __future__ import annotations
@@ -59,11 +62,13 @@ WORKLOADS = {  # name: (prompts, n, concurrency, temperature, max_new, stop at E
 
 
 def workload(name: str, args) -> tuple:
-    """WORKLOADS[name] at the run's sizes: prompts × --scale, concurrency × --conc-scale,
-    greedy rows' new tokens = --greedy-new."""
+    """WORKLOADS[name] at the run's sizes: the T = 1 rows' prompts × --scale and concurrency
+    × --conc-scale; the greedy rows' new tokens = --greedy-new."""
     count, n, conc, temp, new, stop, long_mix = WORKLOADS[name]
+    if temp == 0:
+        return count, n, conc, temp, args.greedy_new, stop, long_mix
     return (max(1, int(count * args.scale)), n, max(n, int(conc * args.conc_scale)), temp,
-            args.greedy_new if temp == 0 else new, stop, long_mix)
+            new, stop, long_mix)
 
 
 def prompts_for(tok, name: str, args) -> list[list[int]]:
@@ -89,12 +94,11 @@ def child(framework: str, model_dir: str, args) -> dict:
     names = args.workloads.split(",")
     info: dict = {}
     if framework == "vllm":
-        from vllm import LLM, SamplingParams
-
         from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
 
-        install = require_vllm()
+        install = require_vllm()  # its environment before vLLM is imported (platform choice)
         info["environment"] = apply_environment(install, kv_cache_gib=4, tensor_parallel_size=1)
+        from vllm import LLM, SamplingParams
         engines: dict[int, object] = {}
 
         def runner(name, prompts, max_new=None):
@@ -165,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy-new", type=int, default=128, help="the greedy rows' new tokens")
     ap.add_argument("--runs", type=int, default=1, help="timed calls per workload")
     ap.add_argument("--frameworks", default="old,new,vllm")
+    ap.add_argument("--reuse", default="", help="frameworks whose saved child result "
+                    "(<out>.<framework>.json) to reuse instead of running them again")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out", default=str(RESULTS / "continuous_batching.json"))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -181,11 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                  str(args.runs), "--dtype", args.dtype, "--conc-scale", str(args.conc_scale),
                  "--greedy-new", str(args.greedy_new)]
         for fw in frameworks:
+            saved = Path(args.out).with_suffix(f".{fw}.json")
+            if fw in args.reuse.split(","):  # a child's result from an earlier run
+                results[fw] = json.loads(saved.read_text())
+                continue
             done = subprocess.run([sys.executable, __file__, *flags, "--child", fw, model_dir],
                                   stdout=subprocess.PIPE, text=True)
             if done.returncode:
                 raise SystemExit(f"{fw} child failed")
             results[fw] = json.loads(done.stdout.strip().splitlines()[-1])
+            saved.write_text(json.dumps(results[fw], indent=2) + "\n")
     rows = []
     for name in args.workloads.split(","):
         row = dict(workload=name, **{k: results[frameworks[0]][name][k]
