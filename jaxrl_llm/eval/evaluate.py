@@ -26,6 +26,7 @@ from jaxrl_llm.generate.jax_backend import (
     SEGMENT_S,
     STOP_GRACE_S,
     SamplingProgress,
+    progress_batches,
     sample_completions,
 )
 from jaxrl_llm.sampling.build import build_sampler
@@ -71,7 +72,7 @@ def sample_and_grade(
                        unit="question", enabled=progress and jax.process_index() == 0)
     with stop_point("the current decode segment", grace_s=STOP_GRACE_S) as stop:
         status = SamplingProgress(bar, stop, "evaluate", f"no {EVAL_FILE} was written",
-                                  batches=-(-len(problems) // batch_size),
+                                  batches=progress_batches(sampler, [len(problems)]),
                                   max_new_tokens=max_new_tokens)
         try:
             completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed),

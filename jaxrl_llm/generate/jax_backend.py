@@ -61,12 +61,23 @@ class SamplingProgress:
             set_status(self.bar, f"{where}: token {step}/{self.max_new_tokens}")
 
 
+def progress_batches(sampler: Any, prompts_per_call: Sequence[int]) -> int:
+    """How many batches `SamplingProgress` counts over these `generate` calls: each prompt
+    batch of a static `Sampler`; a continuous sampler's call is one batch (its slots refill)."""
+    if hasattr(sampler, "slots"):
+        return len(prompts_per_call)
+    return sum(-(-count // sampler.batch_size) for count in prompts_per_call)
+
+
 def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params: Any,
-                       key: jax.Array, progress: SamplingProgress | None = None) -> list[Completion]:
-    """Run the sampler; one `Completion` per (prompt, sample), with `progress`'s callbacks."""
+                       key: jax.Array, progress: SamplingProgress | None = None,
+                       first_id: int = 0) -> list[Completion]:
+    """Run the sampler; one `Completion` per (prompt, sample), with `progress`'s callbacks.
+    `first_id`: the data-set index of prompt_ids[0] (its samples' noise is keyed by it)."""
     out = sampler.generate(prompt_ids, params, key,
                            on_batch=progress and progress.on_batch,
-                           on_segment=progress and progress.on_segment)
+                           on_segment=progress and progress.on_segment,
+                           prompt_ids=range(first_id, first_id + len(prompt_ids)))
     completions = []
     for row in range(out.tokens.shape[0]):
         n = int(out.lengths[row])
@@ -128,12 +139,13 @@ def generate_records(
         # A stop leaves the writer unfinished: no manifest, so nothing reads a partial output.
         status = SamplingProgress(
             bar, stop, "generate", "re-run the same command to resume", max_new_tokens=max_new_tokens,
-            batches=sum(-(-min(chunk, len(problems) - s) // batch_size) for s in starts))
+            batches=progress_batches(sampler, [min(chunk, len(problems) - s) for s in starts]))
         try:
-            for c, start in enumerate(starts):
+            for start in starts:
                 sub = slice(start, start + chunk)
-                completions = sample_completions(sampler, prompt_ids[sub], params,
-                                                 jax.random.fold_in(key, c), status)
+                # Noise keyed by (seed, data-set index, sample): the chunking changes nothing.
+                completions = sample_completions(sampler, prompt_ids[sub], params, key, status,
+                                                 first_id=start)
                 writer.write_all(build_records(task, problems[sub], prompt_ids[sub], completions,
                                                tokenizer, group_offset=start, prompts=prompts[sub]))
         finally:

@@ -1,6 +1,8 @@
 """The one way a caller gets a sampler (`generate`, `evaluate` and its verifier, the API's
-`Policy.sample`): a `Sampler` over the model with the tokenizer's pad id, whose prompt batch
-fits the memory left.
+`Policy.sample`, the online loop's rollouts through it): a `ContinuousSampler` (continuous
+batching, `sampling/continuous.py`) over the model with the tokenizer's pad id, whose
+batch_size × n decode slots fit the memory left; `batching="static"` gives the fixed prompt
+batches of `Sampler` (the benchmarks' old sampler).
 
 Before sampling, will a prompt batch's KV cache fit? If not, fewer prompts per batch (only
 speed changes, and which random draws each sample gets), or a refusal naming the figure and
@@ -15,6 +17,7 @@ from typing import Any
 
 import jax
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.parallel.memory import (
     HOST_OVERHEAD,
     MARGIN,
@@ -22,7 +25,10 @@ from jaxrl_llm.parallel.memory import (
     available_memory,
     gib,
 )
+from jaxrl_llm.sampling.continuous import ContinuousSampler
 from jaxrl_llm.sampling.sampler import Sampler, default_bucket, sampling_bytes
+
+BATCHING = ("continuous", "static")
 
 
 def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
@@ -64,15 +70,30 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
 def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
                   batch_size: int, n: int, max_new_tokens: int, key: str,
                   say: Callable[[str], None] | None = None,
-                  segment_s: float | None = None) -> Sampler:
+                  segment_s: float | None = None, batching: str = "continuous") -> Sampler:
     """A `Sampler` for `prompt_ids` (token id lists): pad id from `tokenizer` (0 if it has
     none), prompt batch `batch_size` or fewer so that `n` samples of `max_new_tokens` after
     the longest prompt's bucket fit (`fit_sampler_batch`; `key` is the batch size's config key).
     `segment_s`: decode segments cut to about that many seconds, so a command's progress and
-    Ctrl-C act within a batch (single-process only: the sampler's own rule)."""
+    Ctrl-C act within a batch (single-process only: the sampler's own rule). `batching`:
+    "continuous" (batch_size × n slots refilled as samples end) or "static"."""
+    if batching not in BATCHING:
+        raise ValueError(f"batching={batching!r}: expected one of {BATCHING}")
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = max(map(len, prompt_ids), default=0)
+    if context is not None and longest > context:
+        index = next(i for i, p in enumerate(prompt_ids) if len(p) == longest)
+        raise ConfigError(
+            f"prompt {index} has {longest} tokens, more than the model's context of {context} "
+            "(model.max_position_embeddings); prompts are never truncated: use shorter prompts "
+            "(e.g. data.task_options: {num_shots: 0}) or a model with a longer context")
     prompt_len = default_bucket(max(map(len, prompt_ids), default=1))
     fitted = fit_sampler_batch(model, batch_size=batch_size, n=n, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens, key=key, say=say)
     pad = getattr(tokenizer, "pad_token_id", None)
-    return Sampler(model, pad_token_id=0 if pad is None else pad, batch_size=fitted,
-                   segment_s=segment_s if jax.process_count() == 1 else None)
+    pad = 0 if pad is None else pad
+    segment_s = segment_s if jax.process_count() == 1 else None
+    if batching == "static":
+        return Sampler(model, pad_token_id=pad, batch_size=fitted, segment_s=segment_s)
+    return ContinuousSampler(model, slots=fitted * n, batch_size=fitted, pad_token_id=pad,
+                             segment_s=segment_s)

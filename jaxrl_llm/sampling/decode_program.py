@@ -6,9 +6,10 @@ A prompt batch is prefilled once (`prefill`); its n samples per prompt then shar
 (`decode_segment`: a `lax.while_loop` up to a given step, exiting early when every row has
 stopped). Between segments the driver may keep only the rows still running (`select_rows`,
 a gather along the row axis of the cache and of every loop buffer), so finished rows stop
-costing compute. Sampling is invariant under that selection: a row's uniform is taken from a
-draw for the whole original batch at its original row index, and its token is the inverse CDF
-of softmax(processed_logits) at `uniform(step_key, [rows₀])[row]` (`inverse_cdf_token`).
+costing compute. Sampling is invariant under that selection, and under any batch, slot or
+process a sample lands in: the uniform of the token at position t of sample j of prompt i is
+`uniform(fold_in(sample_key(key, i, j), t))` (`sample_key`, `step_uniforms`), and its token
+is the inverse CDF of softmax(processed_logits) at that uniform (`inverse_cdf_token`).
 
 The cache holds only the slots the current window of steps can fill (`prefill(cache_len=)`,
 then `grow_cache` pads the slot axis with empty slots): a decode step's attention reads every
@@ -136,21 +137,34 @@ def chosen_logprob(x: Array, token: Array) -> Array:
     return picked - jax.nn.logsumexp(x, axis=-1)
 
 
-def sample_step(key: Array, logits: Array, temperature: Array, top_p: Array, row_ids: Array,
-                total_rows: int, *, greedy: bool, top_k: int,
+def sample_key(key: Array, prompt_ids: Array, sample_ids: Array) -> Array:
+    """Per-row keys [B] for (prompt i, sample j): `fold_in(fold_in(key, i), j)`. They depend on
+    the ids only, never on the row, batch or slot a sample is decoded in."""
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(
+        prompt_ids, sample_ids)
+
+
+def step_uniforms(row_keys: Array, positions: Array) -> Array:
+    """u ~ U[0, 1) per row for the completion token at `positions` [B] (0 = the first new
+    token) of the samples whose keys are `row_keys` [B] (`sample_key`)."""
+    return jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t), (),
+                                                    jnp.float32))(row_keys, positions)
+
+
+def sample_step(row_keys: Array, positions: Array, logits: Array, temperature: Array,
+                top_p: Array, *, greedy: bool, top_k: int,
                 use_top_p: bool) -> tuple[Array, Array, Array]:
     """One token per row and its (processed, raw) log-probs. logits [B, V] -> 3 × [B].
 
-    row_ids [B]: each row's index in the batch of `total_rows` it was sampled in first (the
-    noise is drawn for that batch: the module docstring's selection invariance)."""
+    row_keys [B] (`sample_key`), positions [B]: the completion position of each row's token;
+    the noise depends on nothing else (the module docstring's invariance)."""
     logits = logits.astype(jnp.float32)
     if greedy:
         token = first_argmax(logits)
         raw_lp = chosen_logprob(logits, token)
         return token, jnp.zeros_like(raw_lp), raw_lp
     processed = process_logits(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
-    u = jax.random.uniform(key, (total_rows,), jnp.float32)[row_ids]
-    token, lse = inverse_cdf_token(u, processed)
+    token, lse = inverse_cdf_token(step_uniforms(row_keys, positions), processed)
     lp = jnp.take_along_axis(processed, token[:, None], axis=-1)[:, 0] - lse
     filtered = use_top_p or 0 < top_k < logits.shape[-1]
     # Without top-k/top-p the processed logits are logits / temperature: the same log-prob.
@@ -204,15 +218,15 @@ _STATIC = ("graphdef", "program", "pad_token_id", "return_logits")
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_dtype", "cache_len"))
 def prefill(graphdef, state, layer_params: Any, prompt_tokens: Array, prompt_mask: Array,
-            key: Array, temperature: Array, top_p: Array, stop_ids: Array, *,
+            prompt_ids: Array, key: Array, temperature: Array, top_p: Array, stop_ids: Array, *,
             program: Program, pad_token_id: int, cache_dtype, return_logits: bool,
             cache_len: int) -> Carry:
     """Prefill B left-padded prompts once and sample the first token of each of their n
     samples (prompt-major rows). prompt_tokens, prompt_mask [B, P] (mask 0 on left padding).
     cache_len ≥ P: the cache's slots (decode step s writes slot P + s - 1; `grow_cache`).
 
-    Returns the carry: "loop" (step, cache, last token, key, stopped, lengths, next position,
-    row_ids) and "out" (tokens / logprobs / raw_logprobs [B·n, max_new] and, with
+    Returns the carry: "loop" (step, cache, last token, stopped, lengths, next position,
+    row_keys) and "out" (tokens / logprobs / raw_logprobs [B·n, max_new] and, with
     `return_logits`, every step's unprocessed logits [B·n, max_new, V])."""
     model = nnx.merge(graphdef, state)
     chex.assert_equal_shape([prompt_tokens, prompt_mask])
@@ -229,10 +243,10 @@ def prefill(graphdef, state, layer_params: Any, prompt_tokens: Array, prompt_mas
     cache = _map_rows(cache, lambda a, axis: jnp.repeat(a, n, axis=axis))
     logits = jnp.repeat(_last_logits(model, hidden), n, axis=0)
     rows = batch * n
-    row_ids = jnp.arange(rows, dtype=jnp.int32)
-    key, first_key = jax.random.split(key)
-    token, lp, raw_lp = sample_step(first_key, logits, temperature, top_p, row_ids, rows,
-                                    greedy=program.greedy, top_k=program.top_k,
+    row_keys = sample_key(key, jnp.repeat(prompt_ids, n),
+                          jnp.tile(jnp.arange(n, dtype=jnp.int32), batch))
+    token, lp, raw_lp = sample_step(row_keys, jnp.zeros((rows,), jnp.int32), logits,
+                                    temperature, top_p, greedy=program.greedy, top_k=program.top_k,
                                     use_top_p=program.use_top_p)
     out = dict(
         tokens=jnp.full((rows, max_new), pad_token_id, jnp.int32).at[:, 0].set(token),
@@ -242,20 +256,18 @@ def prefill(graphdef, state, layer_params: Any, prompt_tokens: Array, prompt_mas
     if return_logits:
         out["logits"] = jnp.zeros((rows, max_new, logits.shape[-1]), jnp.float32)
         out["logits"] = out["logits"].at[:, 0].set(logits)
-    loop = dict(step=jnp.int32(1), cache=cache, last=token, key=key,
+    loop = dict(step=jnp.int32(1), cache=cache, last=token,
                 stopped=jnp.isin(token, stop_ids), lengths=jnp.ones((rows,), jnp.int32),
-                next_position=jnp.repeat(positions[:, -1] + 1, n, axis=0), row_ids=row_ids)
+                next_position=jnp.repeat(positions[:, -1] + 1, n, axis=0), row_keys=row_keys)
     return dict(loop=loop, out=out)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "total_rows"),
-                   donate_argnames=("carry",))
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("carry",))
 def decode_segment(graphdef, state, layer_params: Any, carry: Carry, until: Array,
                    temperature: Array, top_p: Array, stop_ids: Array, *, program: Program,
-                   pad_token_id: int, return_logits: bool, total_rows: int) -> Carry:
+                   pad_token_id: int, return_logits: bool) -> Carry:
     """Decode steps `carry.loop.step .. until-1` (or until every row has stopped). Finished
-    rows emit `pad_token_id` with log-probs 0; a row's length counts its stop token.
-    total_rows: the prefill's row count (B·n), which the sampling noise is drawn for."""
+    rows emit `pad_token_id` with log-probs 0; a row's length counts its stop token."""
     model = nnx.merge(graphdef, state)
     layer_kwargs = _layer_kwargs(layer_params)
     sample = functools.partial(sample_step, greedy=program.greedy, top_k=program.top_k,
@@ -273,9 +285,8 @@ def decode_segment(graphdef, state, layer_params: Any, carry: Carry, until: Arra
                               segment_ids=jnp.ones_like(pos), cache=loop["cache"],
                               **layer_kwargs)
         logits = _last_logits(model, hidden)
-        key, step_key = jax.random.split(loop["key"])
-        token, lp, raw_lp = sample(step_key, logits, temperature, top_p, loop["row_ids"],
-                                   total_rows)
+        token, lp, raw_lp = sample(loop["row_keys"], jnp.broadcast_to(step, loop["last"].shape),
+                                   logits, temperature, top_p)
         live = ~loop["stopped"]
         token = jnp.where(live, token, pad_token_id)
         # Write column `step` in place (the buffers are loop-carried, so XLA updates them).
@@ -286,7 +297,7 @@ def decode_segment(graphdef, state, layer_params: Any, carry: Carry, until: Arra
                    raw_logprobs=write(out["raw_logprobs"], jnp.where(live, raw_lp, 0.0)))
         if return_logits:
             out["logits"] = write(out["logits"], logits)
-        loop = dict(loop, step=step + 1, cache=cache, last=token, key=key,
+        loop = dict(loop, step=step + 1, cache=cache, last=token,
                     stopped=loop["stopped"] | (live & jnp.isin(token, stop_ids)),
                     lengths=loop["lengths"] + live.astype(jnp.int32))
         return loop, out
@@ -301,7 +312,7 @@ def select_rows(carry: Carry, rows: Array) -> Carry:
     the cache, the loop state and the outputs."""
     take = lambda a, axis: jnp.take(a, rows, axis=axis)
     loop = carry["loop"]
-    per_row = ("last", "stopped", "lengths", "next_position", "row_ids")
+    per_row = ("last", "stopped", "lengths", "next_position", "row_keys")
     loop = dict(loop, cache=_map_rows(loop["cache"], take),
                 **{name: take(loop[name], 0) for name in per_row})
     return dict(loop=loop, out={name: take(buf, 0) for name, buf in carry["out"].items()})

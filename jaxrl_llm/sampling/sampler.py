@@ -24,8 +24,9 @@ are `pad_token_id` and its log-probs 0 after its stop token. The KV cache grows 
 to `cache_windows` windows of steps (`window_ends`): a decode step attends over the slots its
 window can fill, not over prompt + max_new_tokens from the first step.
 
-Determinism: the same `key`, prompts, `batch_size` and params give the same samples (each
-prompt batch uses `fold_in(key, batch_index)`).
+Determinism: the noise of sample j of prompt i (its index in the call) at completion position
+t is drawn from `fold_in(fold_in(fold_in(key, i), j), t)` (`decode_program.sample_key`), so a
+sample does not depend on the batch it is decoded in, nor on `batch_size`.
 """
 
 from __future__ import annotations
@@ -219,6 +220,46 @@ class Sampler:
             f"{self.prompt_buckets[-1]} (prompts are never truncated; add a larger bucket)"
         )
 
+    @staticmethod
+    def checked_ids(prompt_ids: Sequence[int] | None, count: int) -> np.ndarray:
+        """`prompt_ids` as int32 [count] (default 0 … count-1), or a ValueError."""
+        if prompt_ids is None:
+            return np.arange(count, dtype=np.int32)
+        ids = np.asarray(prompt_ids, np.int64)
+        if ids.shape != (count,) or np.any(ids < 0) or np.any(ids >= 2**31):
+            raise ValueError(f"prompt_ids must be {count} ids in [0, 2**31), one per prompt")
+        return ids.astype(np.int32)
+
+    def checked_prompts(self, prompts: Sequence[Sequence[int]],
+                        params: SamplingParams) -> list[list[int]]:
+        """The prompts as int lists, or a ValueError naming the first bad prompt or stop id:
+        empty, a token or stop id outside the vocabulary, longer than the model's context
+        (`max_position_embeddings`) or than the largest prompt bucket. Before any compile."""
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        config = getattr(self.model, "config", None)
+        vocab = getattr(config, "vocab_size", None)
+        context = getattr(config, "max_position_embeddings", None)
+        if vocab is not None:
+            bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab})"
+                                 " (check the tokenizer's eos_token_id and the stop ids)")
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompts[{index}] is empty")
+            bad = [t for t in prompt if vocab is not None and not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompts[{index}] has token ids outside [0, {vocab}): "
+                                 f"{bad[:5]}")
+            if context is not None and len(prompt) > context:
+                raise ValueError(f"prompts[{index}] has {len(prompt)} tokens, more than the "
+                                 f"model's context of {context} (max_position_embeddings); "
+                                 "prompts are never truncated: shorten it")
+        self.bucket(max(map(len, prompts)))  # the largest bucket's refusal, before compiling
+        return prompts
+
     def _decode(self, carry: dict, params: SamplingParams, prompt_width: int,
                 window_steps: list[int],
                 run_segment: Callable[[dict, jax.Array], dict],
@@ -286,7 +327,8 @@ class Sampler:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, key: Array,
                  *, progress: bool = False, return_logits: bool = False,
                  on_batch: Callable[[int], None] | None = None,
-                 on_segment: Callable[[int, int], None] | None = None) -> GenerationOutput:
+                 on_segment: Callable[[int, int], None] | None = None,
+                 prompt_ids: Sequence[int] | None = None) -> GenerationOutput:
         """Sample `params.n` completions for every prompt (token id lists, no padding).
 
         `return_logits` also returns every step's unprocessed logits (tests and debugging:
@@ -294,22 +336,13 @@ class Sampler:
         with its number of prompts (progress bars, stop checks); `on_segment(batch, step)`
         before each prompt batch (step 0: its prefill, which compiles on first use) and after
         each of its decode segments (`step` tokens decoded), so a stop check or a progress
-        line does not wait for the whole batch.
+        line does not wait for the whole batch. `prompt_ids`: the ids that key each prompt's
+        noise (default 0, 1, …; a caller that samples a data set in chunks passes each prompt's
+        index in the data set, so a sample does not depend on the chunking).
         """
-        prompts = [list(map(int, p)) for p in prompts]
-        if not prompts:
-            raise ValueError("prompts is empty")
-        for index, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompts[{index}] is empty")
+        prompts = self.checked_prompts(prompts, params)
+        ids = self.checked_ids(prompt_ids, len(prompts))
         graphdef, state = nnx.split(self.model)
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if vocab is not None:
-            for index, prompt in enumerate(prompts):
-                bad = [t for t in prompt if not 0 <= t < vocab]
-                if bad:
-                    raise ValueError(f"prompts[{index}] has token ids outside [0, {vocab}): "
-                                     f"{bad[:5]}")
         temperature = jnp.float32(params.temperature if not params.greedy else 1.0)
         top_p = jnp.float32(params.top_p)
         # -1 never matches a token: "no stop tokens" keeps the same array shape.
@@ -320,7 +353,7 @@ class Sampler:
                       return_logits=return_logits)
         run_segment = lambda carry, until: decode_segment(
             graphdef, state, layer_params, carry, until, temperature, top_p, stop_ids,
-            **static, total_rows=self.batch_size * params.n)
+            **static)
         windows = window_ends(params.max_new_tokens, self.cache_windows)
         starts = range(0, len(prompts), self.batch_size)
         pieces = []
@@ -341,7 +374,9 @@ class Sampler:
                 on_segment(batch_index, 0)
                 segment_done = functools.partial(on_segment, batch_index)
             carry = prefill(graphdef, state, layer_params, jnp.asarray(tokens),
-                            jnp.asarray(mask), jax.random.fold_in(key, batch_index),
+                            jnp.asarray(mask),
+                            jnp.asarray(np.resize(ids[start:start + self.batch_size],
+                                                  self.batch_size)), key,
                             temperature, top_p, stop_ids, cache_dtype=cache_dtype,
                             cache_len=width + windows[0], **static)
             out = self._decode(carry, params, width, windows, run_segment, segment_done)

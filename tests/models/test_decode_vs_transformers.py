@@ -23,6 +23,7 @@ from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.models.layers import fuse_projections
 from jaxrl_llm.models.lora import LoraSpec
+from jaxrl_llm.sampling.continuous import ContinuousSampler
 from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
 from jaxrl_llm.weights.hf import load_pretrained
 
@@ -33,8 +34,10 @@ NEW = 5
 ATOL = 1e-4
 
 
-def _greedy(model, n: int = 2):
-    sampler = Sampler(model, pad_token_id=0, batch_size=2, prompt_buckets=(8,))
+def _greedy(model, n: int = 2, batching: str = "static"):
+    # continuous: 3 slots for 2 prompts × n samples, so slots are refilled mid-run
+    sampler = Sampler(model, pad_token_id=0, batch_size=2, prompt_buckets=(8,)) \
+        if batching == "static" else ContinuousSampler(model, slots=3, prompt_buckets=(8,))
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, n=n)
     return sampler.generate(PROMPTS, params, jax.random.key(0), return_logits=True)
 
@@ -61,14 +64,15 @@ def _expected_step_logits(full_logits_of, out) -> list[np.ndarray]:
 def test_sampled_logits_equal_transformers_full_forward(tmp_path, name, scan):
     torch_model = make_hf_model(hf_configs()[name])
     model = load_pretrained(save_hf(torch_model, tmp_path / name), scan_layers=scan)
-    out = _greedy(model)
-    reference = _expected_step_logits(
-        lambda seq: hf_logits(torch_model, seq, np.ones_like(seq)), out)
-    assert np.abs(reference[0]).max() > 0.5  # not trivially small
-    for row, expected in enumerate(reference):
-        np.testing.assert_allclose(out.logits[row], expected, atol=ATOL, rtol=0)
-        # greedy: each token is the argmax of the reference logits of its step
-        np.testing.assert_array_equal(out.tokens[row], expected.argmax(-1))
+    for batching in ("static", "continuous"):
+        out = _greedy(model, batching=batching)
+        reference = _expected_step_logits(
+            lambda seq: hf_logits(torch_model, seq, np.ones_like(seq)), out)
+        assert np.abs(reference[0]).max() > 0.5  # not trivially small
+        for row, expected in enumerate(reference):
+            np.testing.assert_allclose(out.logits[row], expected, atol=ATOL, rtol=0)
+            # greedy: each token is the argmax of the reference logits of its step
+            np.testing.assert_array_equal(out.tokens[row], expected.argmax(-1))
     # the cache layouts the docstring promises: per-layer tuples unrolled, a stack scanned
     cache = model.init_cache(2, 8)
     assert isinstance(cache.k, tuple) != scan

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.sampling.continuous import ContinuousSampler
 from jaxrl_llm.sampling.decode_program import first_argmax
 from jaxrl_llm.sampling.sampler import (
     FINISH_LENGTH,
@@ -43,10 +44,13 @@ def model() -> Decoder:
     return nnx.merge(graphdef, state)
 
 
-@pytest.fixture(scope="module")
-def sampler(model) -> Sampler:
-    # batch_size 2 with 3 prompts: the last batch is padded; one bucket so that each
-    # SamplingParams structure compiles once (temperature / top_p / stop ids are traced).
+@pytest.fixture(scope="module", params=["static", "continuous"])
+def sampler(model, request) -> Sampler:
+    # static: batch_size 2 with 3 prompts, the last batch is padded; continuous: 3 slots for
+    # 3 prompts × n samples, refilled as samples end. One bucket so that each SamplingParams
+    # structure compiles once (temperature / top_p / stop ids are traced).
+    if request.param == "continuous":
+        return ContinuousSampler(model, pad_token_id=PAD, slots=3, prompt_buckets=(8,))
     return Sampler(model, pad_token_id=PAD, batch_size=2, prompt_buckets=(8,))
 
 
@@ -299,12 +303,12 @@ def test_sampled_token_frequencies_match_softmax():
     draws = 4000
     keys = jax.random.split(jax.random.key(4), draws)
     sample = jax.jit(jax.vmap(lambda k: sample_step(
-        k, logits, jnp.float32(1.0), jnp.float32(1.0), jnp.zeros((1,), jnp.int32), 1,
+        k[None], jnp.zeros((1,), jnp.int32), logits, jnp.float32(1.0), jnp.float32(1.0),
         greedy=False, top_k=0, use_top_p=False)[0][0]))
     counts = np.bincount(np.asarray(sample(keys)), minlength=300)[:5]
     p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
     assert np.all(np.abs(counts / draws - p) < 6 * np.sqrt(p * (1 - p) / draws)), counts
     top3 = jax.jit(jax.vmap(lambda k: sample_step(
-        k, logits, jnp.float32(1.0), jnp.float32(1.0), jnp.zeros((1,), jnp.int32), 1,
+        k[None], jnp.zeros((1,), jnp.int32), logits, jnp.float32(1.0), jnp.float32(1.0),
         greedy=False, top_k=3, use_top_p=False)[0][0]))
     assert set(np.unique(np.asarray(top3(keys)))) == {0, 1, 2}

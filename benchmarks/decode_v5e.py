@@ -1,0 +1,111 @@
+"""The continuous sampler's decode program (`sampling/slot_program.decode_slots`) compiled for a
+v5e topology by the real TPU compiler (libtpu, no TPU needed: as `jaxrl-llm plan` compiles the
+train step), for an 8B Llama-3-shaped model in bfloat16 at 256 concurrent sequences and
+8,192-token contexts (cache slots per sequence); prints and writes the per-chip memory.
+
+Sharding: the weights by the project's rules (`parallel/rules.py`) on a (data, fsdp, tensor)
+mesh; the slots' rows over data × fsdp and the KV heads over tensor, so each chip holds
+1/chips of the KV cache.
+
+    python benchmarks/decode_v5e.py --topology v5e:4x8 --fsdp 8 --tensor 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm.config.train import MeshConfig
+from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.parallel.memory import program_memory
+from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.parallel.rules import state_shardings
+from jaxrl_llm.plan import _tpu_devices
+from jaxrl_llm.sampling.decode_program import Program
+from jaxrl_llm.sampling.slot_program import decode_slots, init_slots
+
+RESULTS = Path(__file__).parent / "results"
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                 num_heads=32, num_kv_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                 tie_embeddings=False, scan_layers=True, param_dtype="bfloat16",
+                 compute_dtype="bfloat16")
+
+
+def carry_sharding(path, leaf, mesh) -> NamedSharding:
+    """Rows over (data, fsdp); a cache k/v buffer's KV heads over tensor."""
+    rows = ("data", "fsdp")
+    name = jax.tree_util.keystr(path)
+    if leaf.ndim == 0:
+        return NamedSharding(mesh, P())
+    if ".k" in name or ".v" in name:  # [L, R, Hkv, D, S] / [L, R, Hkv, S, D]
+        return NamedSharding(mesh, P(None, rows, "tensor"))
+    return NamedSharding(mesh, P(rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--topology", default="v5e:4x8")
+    ap.add_argument("--data", type=int, default=1)
+    ap.add_argument("--fsdp", type=int, default=8)
+    ap.add_argument("--tensor", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--prompt", type=int, default=1024, help="prompt slots of the context")
+    ap.add_argument("--out", default=str(RESULTS / "decode_v5e.json"))
+    args = ap.parse_args(argv)
+    devices = _tpu_devices(args.topology)
+    mesh = make_mesh(MeshConfig(data=args.data, fsdp=args.fsdp, tensor=args.tensor), devices)
+    config = DecoderConfig(**LLAMA3_8B)
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         state, shardings)
+    max_new = args.context - args.prompt
+    program = Program(max_new_tokens=max_new, n=8, greedy=False, top_k=0, use_top_p=False)
+
+    def empty():  # init_slots reads only the model's config (init_cache)
+        return init_slots(abstract, slots=args.slots, cache_len=args.context,
+                          cache_dtype=jnp.bfloat16, max_new=max_new, vocab=config.vocab_size,
+                          pad_token_id=0, key=jax.random.key(0), return_logits=False)
+
+    shapes = jax.eval_shape(empty)
+    carry = jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                             sharding=carry_sharding(path, a, mesh)), shapes)
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = decode_slots.lower(
+            graphdef, state, None, carry, scalar(jnp.int32), scalar(jnp.int32),
+            scalar(jnp.float32), scalar(jnp.float32),
+            jax.ShapeDtypeStruct((1,), jnp.int32, sharding=NamedSharding(mesh, P())),
+            program=program, pad_token_id=0, return_logits=False)
+        compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    memory = program_memory(compiled)
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * args.context
+    result = dict(topology=args.topology, chips=len(devices), mesh=dict(
+        data=args.data, fsdp=args.fsdp, tensor=args.tensor), model="Llama-3-8B shape, bfloat16",
+        slots=args.slots, context=args.context, compile_s=seconds,
+        per_chip_gib=dict(arguments=memory.argument / 2**30, outputs=memory.output / 2**30,
+                          aliased=memory.alias / 2**30, temporaries=memory.temp / 2**30,
+                          peak=memory.peak / 2**30),
+        kv_cache_gib_total=kv * args.slots / 2**30, kv_bytes_per_sequence=kv)
+    print(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
