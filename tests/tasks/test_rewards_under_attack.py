@@ -17,6 +17,7 @@ import time
 from contextlib import contextmanager
 from decimal import Decimal
 from fractions import Fraction
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -395,7 +396,8 @@ def test_timeout_is_flagged_on_the_record_and_in_generate_and_eval_metrics(math_
 
     # (patched where evaluate reads them: it imports both at module level)
     monkeypatch.setattr(evaluate, "sample_completions", lambda *a, **k: comps)
-    monkeypatch.setattr(evaluate, "build_sampler", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate, "build_sampler",
+                        lambda *a, **k: SimpleNamespace(batch_size=len(problems)))
     tok = _Tok(texts)
     tok.encode = lambda text, add_special_tokens=True: [1, 2]  # type: ignore[attr-defined]
     summary, _ = evaluate.evaluate_model(None, tok, math_task, problems, n=4, temperature=1.0,
