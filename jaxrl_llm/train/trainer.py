@@ -251,11 +251,11 @@ class Trainer:
 
                 scalars.update(first_step_metrics(scalars))
             window.add(scalars)
-            bar.update(1)
             bar.set_postfix(loss=f"{scalars['loss']:.4g}", refresh=False)
             # An evaluation ends the window: its numbers (an SE among them) are its step's
             # own, never averaged with another evaluation's.
             if at % cfg.log_every and at != cfg.steps and not extra:
+                bar.update(1)
                 return None
             elapsed = max(time.perf_counter() - t_window, 1e-9)
             row = {**window.flush(), **guard.metrics(),
@@ -263,7 +263,10 @@ class Trainer:
             row["throughput/tokens_per_s"] = tokens / elapsed
             row["throughput/steps_per_s"] = steps_in / elapsed
             bar.set_postfix(loss=f"{row['loss']:.4g}",
-                            tok_s=f"{row['throughput/tokens_per_s']:.0f}")
+                            tok_s=f"{row['throughput/tokens_per_s']:.0f}", refresh=False)
+            bar.update(1)
+            if not bar.disable and bar.last_print_n != bar.n:  # a line per logged row, one only
+                bar.refresh()
             tokens, steps_in, t_window = 0, 0, time.perf_counter()
             return logger.log(at, row)
 
