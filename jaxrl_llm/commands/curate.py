@@ -21,8 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.core.paths import as_path
     from jaxrl_llm.data.curation import curate_directory
     from jaxrl_llm.data.records import RecordError
+    from jaxrl_llm.data.shards import MANIFEST_NAME
     from jaxrl_llm.data.signal import check_signal
     from jaxrl_llm.data.stages import has_mu, needs_score, stage_input, stage_output
 
@@ -31,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
     # data/stages.py: the scored records when `score` wrote them, else data.records.
     records = stage_input(config, "curate", args.records)
     out = stage_output(config, "curate", args.out)
+    # Before any work: a re-run would otherwise curate, then fail on the old output.
+    if not args.overwrite and (as_path(out) / MANIFEST_NAME).exists():
+        raise ConfigError(f"{out} already holds curated records (an earlier `curate`): pass "
+                          "--overwrite to replace them, or write elsewhere with --out or "
+                          "data.curated")
     if needs_score(config) and not has_mu(records):
         print(f"note: curating {records}, which `jaxrl-llm score` has not scored; "
               f"loss.name={config.loss.name} will need its output scored before training",

@@ -98,3 +98,16 @@ def test_group_loss_refused_when_every_group_is_uniform(tmp_path: Path) -> None:
     assert topr.returncode == 0, topr.stderr
     assert "warning:" in topr.stderr and "raises only records with R − loss.baseline > 0" \
         in topr.stderr and ": 8 here" in topr.stderr
+
+
+def test_curate_again_is_refused_before_work_and_overwrite_replaces(tmp_path: Path) -> None:
+    # Found on the issue-42 journey: a second `curate` curated, then died with a traceback on
+    # the first run's output. It is refused up front, naming the directory and the fix.
+    _write(tmp_path, [True, False, False, False] * 4)
+    _curate(tmp_path)
+    again = jaxrl(tmp_path, "curate", "--config", "c.yaml")
+    assert again.returncode == 2, again.stderr
+    assert "cur already holds curated records" in again.stderr and "--overwrite" in again.stderr
+    assert "Traceback" not in again.stderr
+    done = jaxrl(tmp_path, "curate", "--config", "c.yaml", "--overwrite")
+    assert done.returncode == 0, done.stderr
