@@ -44,5 +44,8 @@ def test_eight_devices_match_one(tmp_path: Path) -> None:
     assert one.keys() == eight.keys()
     # rewards −1 against TOPR's baseline 0: every update has a gradient
     assert all(r["grad_norm"] > 0 for r in one_rows if "grad_norm" in r)
+    # AdamW divides each update by √v: the sharded and one-device reductions' float32 rounding
+    # (≈1e-7 in a gradient) reaches ≈2.5e-5 in a few parameters after 3 updates at lr 3e-2 (1
+    # of 1,024 q-projection weights on the per-sample noise stream); 5e-5 is 2× that.
     for key in one:
-        np.testing.assert_allclose(eight[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(eight[key], one[key], rtol=1e-4, atol=5e-5, err_msg=key)
