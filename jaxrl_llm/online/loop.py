@@ -38,7 +38,6 @@ from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
 from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.core.progress import progress_bar
-from jaxrl_llm.core.signals import Interrupted
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.queue import StalenessQueue
@@ -46,6 +45,7 @@ from jaxrl_llm.online.rounds import (
     k_for_round,
     logprob_mismatch,
     mean_metrics,
+    probe,
     prompt_slice,
     reward_metrics,
     sampling_seed,
@@ -189,15 +189,6 @@ def shared_rewards(records: list[Record]) -> list[Record]:
 EvalHook = Callable[[int, Policy], dict[str, float]]
 
 
-def _evaluate(hook: EvalHook, updates: int, policy: Policy) -> dict[str, float]:
-    """The hook's numbers; none when a Ctrl-C stopped it (the signal stays noted: the loop
-    then stops after this round, checkpointed)."""
-    try:
-        return dict(hook(updates, policy) or {})
-    except Interrupted:
-        return {}
-
-
 def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
                eval_hook: EvalHook | None = None, eval_every: int = 0,
                eval_at_start: bool = False) -> OnlineResult:
@@ -242,8 +233,8 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     stopped, saved = False, checkpointer.latest_step()
     try:
         if eval_hook is not None and eval_at_start and run.round == 0:
-            last = logger.log(0, {f"eval/{k}": float(v)
-                                  for k, v in _evaluate(eval_hook, 0, policy).items()})
+            # update 0 counts as reached from −1: the hook runs on the initial weights
+            last = logger.log(0, probe(eval_hook, 1, policy, -1, 0, total_updates))
         while run.round < total_rounds and not stopped:
             t0 = time.perf_counter()
             picked = [problems[i] for i in prompt_slice(run.position, o.prompts_per_round,
@@ -268,12 +259,8 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
             run.position = (run.position + o.prompts_per_round) % len(problems)
             metrics.update(mismatch)
             metrics.update(mean_metrics(steps))
-            before = run.updates - len(steps)
-            if eval_hook is not None and steps and (
-                    run.updates // eval_every > before // eval_every
-                    or run.updates == total_updates):
-                metrics.update({f"eval/{k}": float(v)
-                                for k, v in _evaluate(eval_hook, run.updates, policy).items()})
+            metrics.update(probe(eval_hook, eval_every, policy, run.updates - len(steps),
+                                 run.updates, total_updates))
             metrics.update(updates=run.updates, round_updates=len(steps), queued=len(run.queue),
                            mu_from_sampler=float(run.mu_source == "sampler"),
                            seconds_sampling=t1 - t0, seconds_scoring=t2 - t1,

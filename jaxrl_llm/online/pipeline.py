@@ -44,6 +44,7 @@ from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.online.rounds import (
     k_for_round,
     mean_metrics,
+    probe,
     prompt_slice,
     reward_metrics,
     sampling_seed,
@@ -217,17 +218,6 @@ class Feed:
         self.side.weights.close()
         if self._thread is not None:
             self._thread.join(timeout=60)
-
-
-def probe(hook: Any, every: int, policy: Policy, before: int, after: int, total: int
-           ) -> dict[str, float]:
-    """`loop.run_online`'s eval_hook rule: probe when this round's updates reached a new
-    multiple of `every`, or the last update."""
-    if hook is None or after == before:
-        return {}
-    if after // every == before // every and after != total:
-        return {}
-    return {f"eval/{k}": float(v) for k, v in hook(after, policy).items()}
 
 
 def wants_pipeline(config: OnlineConfig) -> bool:

@@ -3,10 +3,12 @@ round's reward metrics and the sampler-vs-trainer μ comparison (docs/online.md)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.core.signals import Interrupted
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.losses.pkpo import pass_at_k
 
@@ -73,3 +75,19 @@ def mean_metrics(rows: Sequence[dict[str, float]]) -> dict[str, float]:
         return {}
     keys = set(rows[0]).intersection(*rows[1:])
     return {k: float(np.mean([row[k] for row in rows])) for k in sorted(keys)}
+
+
+def probe(hook: Callable[[int, Any], Any] | None, every: int, policy: Any, before: int,
+          after: int, total: int) -> dict[str, float]:
+    """The round's `eval/KEY` numbers: `hook(after, policy)` when the round's updates (from
+    `before` to `after`) reached a new multiple of `every`, or the last of `total`; none
+    otherwise, or when a Ctrl-C stopped the hook (the signal stays noted: the loop stops after
+    this round, checkpointed)."""
+    if hook is None or after == before:
+        return {}
+    if after // every == before // every and after != total:
+        return {}
+    try:
+        return {f"eval/{k}": float(v) for k, v in (hook(after, policy) or {}).items()}
+    except Interrupted:
+        return {}
