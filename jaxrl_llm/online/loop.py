@@ -234,7 +234,9 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     try:
         if eval_hook is not None and eval_at_start and run.round == 0:
             # update 0 counts as reached from −1: the hook runs on the initial weights
-            last = logger.log(0, probe(eval_hook, 1, policy, -1, 0, total_updates))
+            numbers = probe(eval_hook, 1, policy, -1, 0, total_updates)
+            if numbers:  # none when a Ctrl-C stopped it: no empty row
+                last = logger.log(0, numbers)
         while run.round < total_rounds and not stopped:
             t0 = time.perf_counter()
             picked = [problems[i] for i in prompt_slice(run.position, o.prompts_per_round,

@@ -281,8 +281,9 @@ class Trainer:
         evaluating = bool(cfg.eval_every and self.eval_hook)
         try:
             if evaluating and self.eval_at_start and step == 0 and step < cfg.steps:
-                last_row = logger.log(0, {f"eval/{k}": float(v)
-                                          for k, v in evaluate(0, state).items()})
+                numbers = evaluate(0, state)
+                if numbers:  # none when a Ctrl-C stopped it: no empty row
+                    last_row = logger.log(0, {f"eval/{k}": float(v) for k, v in numbers.items()})
             stopped = False
             while step < cfg.steps and not stopped:
                 host, first = (first, None) if first is not None else (self._next_batch(), None)
