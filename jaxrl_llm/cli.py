@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -38,6 +39,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_libtpu_without_tpu(env: dict[str, str] | os._Environ = os.environ) -> bool:
+    """With libtpu installed (the `tpu` extra) on a host without TPU chips, JAX still loads
+    libtpu, which prints "Failed to find host bounds…" and an E0000 TPU_WORKER_HOSTNAMES error
+    before falling back to CPU/GPU. Telling libtpu it is alone (what `plan` does to compile
+    for a pod) silences it; a TPU VM, JAX_PLATFORMS set, or libtpu's variables already set
+    are left alone. Returns True when it set them."""
+    if env.get("JAX_PLATFORMS") or "TPU_ACCELERATOR_TYPE" in env or "TPU_WORKER_HOSTNAMES" in env:
+        return False
+    if importlib.util.find_spec("libtpu") is None:
+        return False
+    try:
+        from jax._src import hardware_utils  # jax's own TPU probe (PCI vendor ids)
+
+        chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+    except Exception:  # a JAX without it: change nothing rather than guess
+        return False
+    if chips:
+        return False
+    env["TPU_ACCELERATOR_TYPE"] = "v5litepod-4"
+    env["TPU_WORKER_HOSTNAMES"] = "localhost"
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from jaxrl_llm.core.signals import supervise
 
@@ -58,6 +82,8 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*(args.overrides or []), *extra]
+    if args.command not in {"config", "data", "report"}:  # the others may start a JAX backend
+        quiet_libtpu_without_tpu()
     module = importlib.import_module(args._module)
     from jaxrl_llm.core.errors import ConfigError, ModelFileError
     from jaxrl_llm.core.signals import Interrupted
