@@ -7,9 +7,9 @@ Qwen2/Qwen3 checkpoints use past their pre-training length (Qwen3's model card:
 - frequencies: each dimension pair i (wavelength 2π/θ_i) is interpolated (θ_i / factor) or
   extrapolated (θ_i kept) by how many rotations it makes over the original context L: pairs
   turning more than `beta_fast` (32) times are kept, fewer than `beta_slow` (1) times are
-  interpolated, a linear ramp over the dimension index in between (paper eq. 17-18);
+  interpolated, a linear ramp over the dimension index in between ("NTK-by-parts");
 - attention: cos and sin are multiplied by `attention_factor`, by default
-  0.1·ln(factor) + 1 (paper eq. 22, √(1/t)), which scales every q·k logit by its square.
+  0.1·ln(factor) + 1 (the paper's √(1/t)), which scales every q·k logit by its square.
 """
 
 from __future__ import annotations
