@@ -75,8 +75,10 @@ class ModelConfig(Section):
         False, description="run the layers under one jax.lax.scan (stacked weights); default: "
         "true for pretrained sources, false for random")
     lora: LoraConfig | None = None  # None: full fine-tuning
-    # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU.
-    attention: Literal["auto", "jnp", "xla", "cudnn", "splash"] = "auto"
+    # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU;
+    # ring: with mesh.context > 1, keys/values passed round the context axis instead of
+    # all-gathered (models/ring.py; jnp math), else jnp.
+    attention: Literal["auto", "jnp", "xla", "cudnn", "splash", "ring"] = "auto"
 
     @model_validator(mode="before")
     @classmethod

@@ -118,7 +118,7 @@ class DecoderConfig:
     compute_dtype: str = "float32"
     remat: RematPolicy = "none"
     scan_layers: bool = False
-    # Attention kernel (models/attention.py): auto | jnp | xla | cudnn | splash.
+    # Attention kernel (models/attention.py): auto | jnp | xla | cudnn | splash | ring.
     attention: str = "auto"
     # LoRA adapters (`models.lora.LoraSpec`; set by `models.lora.add_lora`); None = none.
     lora: Any = None
@@ -151,10 +151,10 @@ class DecoderConfig:
             raise UnsupportedConfigError(
                 f"remat={self.remat!r} is not one of 'none', 'full', 'dots', 'dots_no_batch'"
             )
-        if self.attention not in ("auto", "jnp", "xla", "cudnn", "splash"):
+        if self.attention not in ("auto", "jnp", "xla", "cudnn", "splash", "ring"):
             raise UnsupportedConfigError(
                 f"attention={self.attention!r} is not one of 'auto', 'jnp', 'xla', 'cudnn', "
-                "'splash'"
+                "'splash', 'ring'"
             )
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise UnsupportedConfigError(f"hidden_act={self.hidden_act!r} is not supported")
