@@ -3,8 +3,8 @@
 section into a policy and its tokenizer.
 
 This module is the one translator of the `model:` section: `weights_path` (where the files
-are), `numerics` (`param_dtype`, `compute_dtype`, `remat`, `scan_layers`, `attention`, the same
-for every source) and `decoder_config` (the architecture). `load_model` reads the weights,
+are), `numerics` (`param_dtype`, `compute_dtype`, `remat`, `scan_layers`, `attention` and, when
+set, `rope_scaling`, the same for every source) and `decoder_config` (the architecture). `load_model` reads the weights,
 `load_tokenizer` picks the tokenizer:
 
     random   a fresh `Decoder` of the section's architecture, seeded; the char tokenizer
