@@ -77,7 +77,7 @@ class ExperimentConfig(Section):
             raise ValueError(
                 f"model.attention={self.model.attention} cannot run context parallelism "
                 f"(mesh.context={c}): it takes no load-balanced causal mask; set "
-                "model.attention=auto (splash on TPU, jnp elsewhere), jnp or splash")
+                "model.attention=auto (splash on TPU, jnp elsewhere), jnp, splash or ring")
         if self.loss.name in ORDER_DEPENDENT_LOSSES:
             raise ValueError(
                 f"loss.name={self.loss.name} cannot train with mesh.context={c}: "

@@ -49,6 +49,12 @@ class ModelConfig(Section):
     # random models: the longest position RoPE is set up for
     max_position_embeddings: int = Field(2048, gt=0)
     rope_theta: float = Field(10_000.0, gt=0)  # random models: RoPE base
+    rope_scaling: dict[str, Any] | None = Field(
+        None, description="RoPE scaling as a HF config.json's rope_scaling ({rope_type: linear "
+        "| llama3 | yarn, factor, ...}); random models: theirs; hf/gguf sources: replaces the "
+        "file's, as Qwen3's model card enables YaRN past 32,768 tokens ({rope_type: yarn, "
+        "factor: 4.0, original_max_position_embeddings: 32768}); null: the file's (none for "
+        "random models)")
     rms_norm_eps: float = Field(1e-6, gt=0)  # random models: RMSNorm epsilon
     # Mistral: every layer; Gemma 2: the even (local) layers. None = full attention everywhere.
     sliding_window: int | None = Field(None, gt=0)
@@ -69,8 +75,10 @@ class ModelConfig(Section):
         False, description="run the layers under one jax.lax.scan (stacked weights); default: "
         "true for pretrained sources, false for random")
     lora: LoraConfig | None = None  # None: full fine-tuning
-    # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU.
-    attention: Literal["auto", "jnp", "xla", "cudnn", "splash"] = "auto"
+    # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU;
+    # ring: with mesh.context > 1, keys/values passed round the context axis instead of
+    # all-gathered (models/ring.py; jnp math), else jnp.
+    attention: Literal["auto", "jnp", "xla", "cudnn", "splash", "ring"] = "auto"
 
     @model_validator(mode="before")
     @classmethod
@@ -85,6 +93,14 @@ class ModelConfig(Section):
             if data.get("remat") is None:
                 data["remat"] = "full" if pretrained and data["scan_layers"] is True else "none"
         return data
+
+    @model_validator(mode="after")
+    def _rope_scaling_supported(self) -> ModelConfig:
+        if self.rope_scaling is not None:  # here, not at the top: only then is JAX needed
+            from jaxrl_llm.weights.loading import check_rope_scaling
+
+            check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        return self
 
     @model_validator(mode="after")
     def _remat_needs_scan(self) -> ModelConfig:

@@ -29,7 +29,9 @@ all-gathered over it (MaxText's all-gather strategy), and causality compares ori
 gather); "splash" runs in a `shard_map` with the queries' shard of a kernel built with
 `q_seq_shards` and a mask whose query sequence is the reorder (the gathered keys are put back
 in the original order inside the map, so key blocks stay contiguous). "cudnn"/"xla" take no
-such mask: "auto" picks "jnp" on GPU then, and asking for them is refused.
+such mask: "auto" picks "jnp" on GPU then, and asking for them is refused. "ring"
+(`models/ring.py`) is the other strategy: keys and values travel round the "context" axis one
+chunk at a time instead of being gathered (without a context split it is "jnp").
 
 Padding: the fused paths mask by segment equality, so a padding query (segment 0) attends to
 the padding keys before it instead of to nothing; padding outputs are never read by a real
@@ -57,12 +59,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.models.layers import attention_mask, dot_product_attention
+from jaxrl_llm.models.ring import ring_attention
 from jaxrl_llm.parallel.context import inverse_order
 from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, context_shards
 from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, logical_to_mesh_spec
 
 Array = jax.Array
-IMPLEMENTATIONS: tuple[str, ...] = ("auto", "jnp", "xla", "cudnn", "splash")
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "jnp", "xla", "cudnn", "splash", "ring")
 # What "auto" picks on CPU: "jnp" vs "xla" measured by benchmarks/attention.py on the 2-core CPU.
 CPU_DEFAULT = "jnp"
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("attention_mesh", default=None)
@@ -103,7 +106,10 @@ def resolve(implementation: str, *, platform: str | None = None, dtype: Any = No
     if context and implementation in ("xla", "cudnn"):
         raise ConfigError(
             f"model.attention={implementation} cannot run context parallelism (mesh.context > 1):"
-            " it takes no load-balanced causal mask; set model.attention=auto, jnp or splash")
+            " it takes no load-balanced causal mask; set model.attention=auto, jnp, splash or "
+            "ring")
+    if implementation == "ring":  # nothing to pass round without a context split
+        return "ring" if context else "jnp"
     if implementation == "auto":
         implementation = {"tpu": "splash", "gpu": "cudnn"}.get(platform, CPU_DEFAULT)
         if context and implementation == "cudnn":
@@ -333,8 +339,18 @@ def _splash_context(q, k, v, seg, mesh, rows, heads, order, *, scale, logit_soft
                          out_specs=q_spec, check_vma=False)(kernel, q, k, v, seg, seg)
 
 
+def _ring(q, k, v, seg, *, scale, logit_softcap, window, order=None):
+    mesh = _MESH.get()
+    if order is None or context_shards(mesh) == 1:
+        return _jnp(q, k, v, seg, scale=scale, logit_softcap=logit_softcap, window=window,
+                    order=order)
+    return ring_attention(q, k, v, seg, mesh=mesh, order=order, scale=scale,
+                          logit_softcap=logit_softcap, window=window)
+
+
 _IMPLS = {
     "jnp": _jnp,
+    "ring": _ring,
     "xla": partial(_nn, implementation="xla"),
     "cudnn": partial(_nn, implementation="cudnn"),
     "splash": _splash,

@@ -62,6 +62,26 @@ def dtype_name(value: Any, *, field: str = "dtype",
     return name
 
 
+def _check_yarn(scaling: dict[str, Any], max_position_embeddings: int) -> None:
+    """YaRN's numbers, in place: a null `factor` is max_position_embeddings /
+    original_max_position_embeddings (as transformers); each must be a positive number."""
+    if scaling["factor"] is None:
+        scaling["factor"] = max_position_embeddings / scaling["original_max_position_embeddings"]
+    for key in ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+                "beta_slow", "mscale", "mscale_all_dim"):
+        value = scaling.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or value < 0):
+            raise UnsupportedConfigError(
+                f"rope_scaling of rope_type='yarn' field {key}={value!r} must be a "
+                "non-negative number")
+    if scaling["factor"] < 1 or scaling["original_max_position_embeddings"] < 1:
+        raise UnsupportedConfigError(
+            f"rope_scaling of rope_type='yarn' needs factor >= 1 and "
+            f"original_max_position_embeddings >= 1 (got factor={scaling['factor']!r}, "
+            f"original_max_position_embeddings={scaling['original_max_position_embeddings']!r})")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Architecture and numerics of one decoder (see module docstring).
@@ -98,7 +118,7 @@ class DecoderConfig:
     compute_dtype: str = "float32"
     remat: RematPolicy = "none"
     scan_layers: bool = False
-    # Attention kernel (models/attention.py): auto | jnp | xla | cudnn | splash.
+    # Attention kernel (models/attention.py): auto | jnp | xla | cudnn | splash | ring.
     attention: str = "auto"
     # LoRA adapters (`models.lora.LoraSpec`; set by `models.lora.add_lora`); None = none.
     lora: Any = None
@@ -131,10 +151,10 @@ class DecoderConfig:
             raise UnsupportedConfigError(
                 f"remat={self.remat!r} is not one of 'none', 'full', 'dots', 'dots_no_batch'"
             )
-        if self.attention not in ("auto", "jnp", "xla", "cudnn", "splash"):
+        if self.attention not in ("auto", "jnp", "xla", "cudnn", "splash", "ring"):
             raise UnsupportedConfigError(
                 f"attention={self.attention!r} is not one of 'auto', 'jnp', 'xla', 'cudnn', "
-                "'splash'"
+                "'splash', 'ring'"
             )
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise UnsupportedConfigError(f"hidden_act={self.hidden_act!r} is not supported")
@@ -151,12 +171,15 @@ class DecoderConfig:
             scaling.pop("rope_theta", None)
             required = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                    "original_max_position_embeddings"),
+                        "yarn": ("factor", "original_max_position_embeddings"),
                         "linear": ("factor",), "default": ()}[rope_type]
             for key in required:
                 if key not in scaling:
                     raise UnsupportedConfigError(
                         f"rope_scaling of rope_type={rope_type!r} needs field {key!r}"
                     )
+            if rope_type == "yarn":
+                _check_yarn(scaling, self.max_position_embeddings)
             set_("rope_scaling", None if rope_type == "default" else FrozenDict(scaling))
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window else "full_attention"

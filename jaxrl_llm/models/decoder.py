@@ -51,6 +51,7 @@ from jaxrl_llm.models.layers import (
     project_out,
     project_qkv,
     rms_norm,
+    rope_attention_scale,
     rope_cos_sin,
     rope_inv_freq,
     softcap,
@@ -308,7 +309,7 @@ class Decoder(nnx.Module):
         if c.is_gemma:
             # HF multiplies by sqrt(d) rounded to the activation dtype.
             x = x * jnp.asarray(math.sqrt(c.hidden_size), dtype=dt)
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(c))
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(c), rope_attention_scale(c))
 
         order = None if context_order == 1 else load_balance_order(t, context_order)
         q_slots = jnp.arange(t, dtype=jnp.int32) if order is None else jnp.asarray(order)

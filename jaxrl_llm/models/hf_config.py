@@ -21,7 +21,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
 }
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 # HF config keys we read, per family (everything else is either harmless metadata we ignore
 # or in `_REJECT_IF_SET`).
 _REJECT_IF_SET: dict[str, Any] = {
@@ -79,6 +79,11 @@ def fields_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> dic
                    f"(supported: {SUPPORTED_ROPE_TYPES})")
     if rope.pop("partial_rotary_factor", 1.0) not in (1, 1.0, None):
         raise fail("rope_parameters partial_rotary_factor != 1 is not supported")
+    if rope_type in ("llama3", "yarn"):  # as transformers' `standardize_rope_params`
+        if "original_max_position_embeddings" in hf:  # a top-level value wins (Phi-3 style)
+            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings",
+                                                                    2048))
     rope_scaling = None if rope_type == "default" else rope
 
     attention_bias = bool(hf.get("attention_bias", False))

@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.lora import ADAPTER_SUFFIX, attach_adapters, lora_delta
+from jaxrl_llm.models.rope import yarn_attention_factor, yarn_inv_freq
 
 Array = jax.Array
 # Large negative (not -inf) so a fully masked row (a padding query) stays finite.
@@ -78,11 +79,13 @@ def rms_norm(x: Array, scale: Array, *, eps: float, gemma: bool) -> Array:
 
 
 def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim/2] incl. "linear" and Llama 3 ("llama3") scaling.
+    """Inverse frequencies [head_dim/2] incl. "linear", Llama 3 ("llama3") and "yarn" scaling.
 
-    Same formulas as transformers' `_compute_default/linear/llama3_rope_parameters`.
+    Same formulas as transformers' `_compute_default/linear/llama3/yarn_rope_parameters`.
     """
     dim = config.head_dim
+    if config.rope_scaling is not None and config.rope_scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(dim, config.rope_theta, config.rope_scaling)
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64)
                                             .astype(np.float32) / dim))
     scaling = config.rope_scaling
@@ -105,11 +108,23 @@ def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
-    """cos, sin [B, T, head_dim] (the two halves repeated, HF rotate-half layout), float32."""
+def rope_attention_scale(config: DecoderConfig) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return yarn_attention_factor(scaling)
+    return 1.0
+
+
+def rope_cos_sin(positions: Array, inv_freq: np.ndarray,
+                 scale: float = 1.0) -> tuple[Array, Array]:
+    """cos, sin [B, T, head_dim] (the two halves repeated, HF rotate-half layout), float32,
+    times `scale` (`rope_attention_scale`; HF multiplies after cos/sin, in float32)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if scale == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:

@@ -118,7 +118,7 @@ def refuse_before_compiling(config: ExperimentConfig, decoder: Any, mesh: Any,
         f"refused before compiling: the state alone is {state_bytes / GIB:.2f} GiB per chip "
         f"and the {decoder.num_layers} layer inputs the backward pass keeps "
         f"({config.train.max_seq_len:,} tokens per row / mesh.context={c}, "
-        f"{(config.train.micro_batch_size or config.train.batch_size) // batch_shards(mesh)} "
+        f"{max((config.train.micro_batch_size or config.train.batch_size) // batch_shards(mesh), 1)} "
         f"row(s) per chip per micro-batch) {floor / GIB:.2f} GiB, over the chip's "
         f"{chip / GIB:.2f} GiB. Raise mesh.context (splits each row's tokens; 2 × context "
         "must divide train.max_seq_len), lower train.micro_batch_size or train.max_seq_len, "

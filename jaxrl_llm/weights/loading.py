@@ -3,8 +3,8 @@
 section into a policy and its tokenizer.
 
 This module is the one translator of the `model:` section: `weights_path` (where the files
-are), `numerics` (`param_dtype`, `compute_dtype`, `remat`, `scan_layers`, `attention`, the same
-for every source) and `decoder_config` (the architecture). `load_model` reads the weights,
+are), `numerics` (`param_dtype`, `compute_dtype`, `remat`, `scan_layers`, `attention` and, when
+set, `rope_scaling`, the same for every source) and `decoder_config` (the architecture). `load_model` reads the weights,
 `load_tokenizer` picks the tokenizer:
 
     random   a fresh `Decoder` of the section's architecture, seeded; the char tokenizer
@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl_llm.core.errors import ConfigError, ModelFileError
-from jaxrl_llm.models.config import DecoderConfig, resolve_compute_dtype
+from jaxrl_llm.models.config import DecoderConfig, UnsupportedConfigError, resolve_compute_dtype
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, state_shardings
 from jaxrl_llm.weights.hf import load_pretrained, read_hf_config
@@ -55,10 +55,33 @@ def numerics(model_config: Any) -> dict[str, Any]:
     """The `DecoderConfig` fields the `model:` section sets for every source."""
     m = model_config
 
+    scaling = getattr(m, "rope_scaling", None)
     return {"param_dtype": resolve_compute_dtype(m.param_dtype),
             "compute_dtype": resolve_compute_dtype(m.compute_dtype),
             "remat": m.remat,
-            "scan_layers": m.scan_layers, "attention": getattr(m, "attention", "auto")}
+            "scan_layers": m.scan_layers, "attention": getattr(m, "attention", "auto"),
+            # model.rope_scaling replaces the weights file's (Qwen3's YaRN past 32,768)
+            **({"rope_scaling": dict(scaling)} if scaling else {})}
+
+
+def file_overrides(model_config: Any) -> dict[str, Any]:
+    """`numerics`, and for a `model.rope_scaling` of YaRN the length it extends to:
+    max_position_embeddings = factor × original_max_position_embeddings, as transformers'
+    and vLLM's YaRN assume (Qwen3-8B: 4 × 32,768 = 131,072 over its file's 40,960)."""
+    overrides = numerics(model_config)
+    scaling = overrides.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("factor"):
+        overrides["max_position_embeddings"] = round(
+            float(scaling["factor"]) * scaling["original_max_position_embeddings"])
+    return overrides
+
+
+def check_rope_scaling(scaling: Mapping[str, Any], max_position_embeddings: int) -> None:
+    """A `ConfigError` naming `model.rope_scaling` when the decoder does not implement it."""
+    try:
+        DecoderConfig(rope_scaling=scaling, max_position_embeddings=max_position_embeddings)
+    except UnsupportedConfigError as err:
+        raise ConfigError(f"model.rope_scaling={dict(scaling)!r}: {err}") from None
 
 
 def weights_path(model_config: Any, *, files: list[str] | None = None) -> str:
@@ -111,11 +134,11 @@ def decoder_config(model_config: Any) -> DecoderConfig:
     path = weights_path(m, files=["config.json"])  # a hub id: its config only
     if m.source == "hf" and (Path(path) / "config.json").is_file():
         return DecoderConfig.from_hf(read_hf_config(path), source=str(Path(path) / "config.json"),
-                                     **numerics(m))
+                                     **file_overrides(m))
     if m.source != "hf" and Path(path).is_file():
         from jaxrl_llm.weights.gguf import gguf_hf_config
 
-        return DecoderConfig.from_hf(gguf_hf_config(path), source=path, **numerics(m))
+        return DecoderConfig.from_hf(gguf_hf_config(path), source=path, **file_overrides(m))
     return random_architecture(m)
 
 
@@ -195,7 +218,7 @@ def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
                            None)
     path = weights_path(m)
     dtype = numerics(m)["param_dtype"]  # "auto" resolved for this platform
-    overrides = {k: v for k, v in numerics(m).items() if k != "param_dtype"}
+    overrides = {k: v for k, v in file_overrides(m).items() if k != "param_dtype"}
     if m.source == "hf":
         model = load_pretrained(path, dtype=dtype, mesh=mesh, rules=rules, **overrides)
         return LoadedModel(model, None)
@@ -258,7 +281,8 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str
             "tokenizer the model was trained with (data.tokenizer / --tokenizer)")
 
 
-__all__ = ["ARCHITECTURE_KEYS", "LoadedModel", "architecture_of", "check_tokenizer_fits",
+__all__ = ["ARCHITECTURE_KEYS", "LoadedModel", "architecture_of", "check_rope_scaling",
+           "check_tokenizer_fits",
            "check_weights_found",
-           "decoder_config", "load_model", "load_tokenizer", "numerics",
+           "decoder_config", "file_overrides", "load_model", "load_tokenizer", "numerics",
            "random_architecture", "random_model", "source_tokenizer", "weights_path"]

@@ -150,6 +150,15 @@ CONFIG_CASES = [
     ("batch size not divisible by micro-batch", ["train.batch_size=16", "train.micro_batch_size=12"],
      ["micro_batch_size"]),
     ("batch size not divisible by data parallelism", ["train.batch_size=6", "mesh.data=8"], ["batch_size"]),
+    # context parallelism (docs/plan.md § Context parallelism), refused at load
+    ("context split whose load-balanced chunks do not divide the row", ["mesh.context=3"],
+     ["mesh.context=3", "2 × 3 = 6", "train.max_seq_len=32", "(e.g. 36)"]),
+    ("context split that does not divide the devices", ["mesh.context=3", "train.max_seq_len=48"],
+     ["mesh.context=3", "does not divide the 8 available devices"]),
+    ("context split with an attention kernel that cannot take it",
+     ["mesh.context=2", "model.attention=cudnn"], ["model.attention=cudnn", "mesh.context=2"]),
+    ("context split with a loss that depends on the token order",
+     ["mesh.context=2", "loss.name=m2po"], ["loss.name=m2po", "mesh.context=2"]),
 ]
 
 

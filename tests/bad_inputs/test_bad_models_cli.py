@@ -154,14 +154,15 @@ def _gpt_neox(c: dict) -> None:
     c.update(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
 
 
-def _yarn(c: dict) -> None:  # a transformers 4.x config.json: rope_scaling with "type"
-    c["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+def _dynamic(c: dict) -> None:  # a transformers 4.x config.json: rope_scaling with "type"
+    c["rope_scaling"] = {"type": "dynamic", "factor": 4.0}
 
 
-def _yarn_over_default(c: dict) -> None:
-    """Both keys, as in a hand-merged file: transformers reads the legacy rope_scaling (yarn)
-    over rope_parameters, so reading "default" from the latter would silently differ."""
-    _yarn(c)
+def _dynamic_over_default(c: dict) -> None:
+    """Both keys, as in a hand-merged file: transformers reads the legacy rope_scaling
+    (dynamic) over rope_parameters, so reading "default" from the latter would silently
+    differ."""
+    _dynamic(c)
     c["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
 
 
@@ -174,8 +175,8 @@ def inputs(tmp_path_factory) -> Path:
         write_hf("missing_tensor", tensors=_drop("model.layers.1.mlp.up_proj.weight"))
         write_hf("misshapen", tensors=_misshape)
         write_hf("unknown_arch", config=_gpt_neox)
-        write_hf("yarn", config=_yarn)
-        write_hf("yarn_over_default", config=_yarn_over_default)
+        write_hf("dynamic", config=_dynamic)
+        write_hf("dynamic_over_default", config=_dynamic_over_default)
         write_hf("big_tokenizer", tokenizer=small_tokenizer(extra=200))
         small_tokenizer(extra=200).save_pretrained("big_tok")
         write_gguf("good.gguf")
@@ -240,10 +241,10 @@ HF_CASES = [
      ["misshapen/model.safetensors", "model.layers.1.mlp.gate_proj.weight", "[63, 32]", "[64, 32]"]),
     ("HF dir: unknown architecture", "unknown_arch",
      ["unknown_arch/config.json", "model_type='gpt_neox'"]),
-    ("HF dir: unsupported rope_scaling type", "yarn",
-     ["yarn/config.json", "rope_scaling", "'yarn'"]),
-    ("HF dir: rope_scaling yarn beside rope_parameters default", "yarn_over_default",
-     ["yarn_over_default/config.json", "rope_scaling", "'yarn'"]),
+    ("HF dir: unsupported rope_scaling type", "dynamic",
+     ["dynamic/config.json", "rope_scaling", "'dynamic'"]),
+    ("HF dir: rope_scaling dynamic beside rope_parameters default", "dynamic_over_default",
+     ["dynamic_over_default/config.json", "rope_scaling", "'dynamic'"]),
 ]
 
 

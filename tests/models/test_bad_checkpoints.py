@@ -89,10 +89,10 @@ def test_shape_mismatch_names_tensor_and_file(good_dir, tmp_path):
 
 def test_unknown_rope_type(good_dir, tmp_path):
     def edit(c):
-        c["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+        c["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
 
     bad = _copy(good_dir, tmp_path / "d", config=edit)
-    with pytest.raises(UnsupportedConfigError, match="rope_type='yarn'"):
+    with pytest.raises(UnsupportedConfigError, match="rope_type='longrope'"):
         load_pretrained(bad)
     with pytest.raises(UnsupportedConfigError, match="rope_type='dynamic'"):
         DecoderConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})

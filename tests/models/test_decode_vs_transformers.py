@@ -2,7 +2,8 @@
 q/k/v and gate/up fused into one matmul each) against transformers' PyTorch forward.
 
 For each family feature the fused projections must carry (q/k/v biases, Qwen3 q/k norms,
-Gemma 2's soft-caps and sliding window, Mistral's window), with unrolled and scanned layers,
+YaRN's scaled cos/sin, Gemma 2's soft-caps and sliding window, Mistral's window), with unrolled
+and scanned layers,
 every step's logits of greedy sampling (2 left-padded prompts × n = 2) must equal the logits
 transformers computes by one full forward of prompt + completion. LoRA layers keep their
 unfused projections; their sampled logits are checked against our own cache-free forward.
@@ -55,6 +56,7 @@ def _expected_step_logits(full_logits_of, out) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("name,scan", [
     ("qwen3_qknorm", True),
+    ("qwen3_yarn", False),
     ("llama_linear_bias", False),
     pytest.param("qwen2_bias", True, marks=pytest.mark.slow),
     pytest.param("gemma2", False, marks=pytest.mark.slow),

@@ -67,8 +67,14 @@ def _random_model(config: DecoderConfig, seed: int) -> Decoder:
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 16}),
+        # YaRN over 4 positions: the 12-token rows reach 3 × past it
+        DecoderConfig(family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                      max_position_embeddings=16,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 4}),
     ],
-    ids=["qwen2", "gemma2_scanned", "llama3_tied"],
+    ids=["qwen2", "gemma2_scanned", "llama3_tied", "qwen3_yarn"],
 )
 def test_export_loads_in_transformers_with_same_logits(tmp_path, config):
     model = _random_model(config, 4)

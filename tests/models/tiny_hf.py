@@ -37,6 +37,11 @@ def hf_configs() -> dict:
         "qwen2_bias": tf.Qwen2Config(**{**COMMON, "num_hidden_layers": 2}),
         "qwen3_qknorm": tf.Qwen3Config(**{**COMMON, "num_hidden_layers": 2}, head_dim=16,
                                        tie_word_embeddings=True),
+        # YaRN (Qwen's long-context RoPE) over 4 original positions, to 4 × 4 = 16
+        "qwen3_yarn": tf.Qwen3Config(**{**COMMON, "num_hidden_layers": 2,
+                                        "max_position_embeddings": 16}, head_dim=16,
+                                     rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 4}),
         "gemma2": tf.Gemma2Config(
             **COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
             attn_logit_softcapping=5.0, final_logit_softcapping=3.0,

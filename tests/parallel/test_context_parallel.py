@@ -109,11 +109,11 @@ def _batch(kind: str):
     return batch
 
 
-def _step(loss: str, mesh_sizes: dict, batch, **loss_options):
+def _step(loss: str, mesh_sizes: dict, batch, model: Decoder | None = None, **loss_options):
     config = _config(loss, mesh_sizes, **loss_options)
     n = int(np.prod(list(mesh_sizes.values())))
     mesh = make_mesh(config.mesh, jax.devices()[:n])
-    state = create_train_state(config, mesh, _model())
+    state = create_train_state(config, mesh, model or _model())
     before = to_numpy(state.params)
     step = make_train_step(config, mesh, state)
     new_state, metrics = step(state, global_batch(batch, mesh))
