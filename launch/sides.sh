@@ -1,6 +1,7 @@
 # Sourced by launch/tpu_pipeline.sh and launch/slurm_pipeline.sbatch: start the pipeline's
 # sides (trainer, rollout workers) side by side and wait for them, or only print them.
-# The sourcing script sets dry_run=0/1 first.
+# shellcheck shell=bash
+: "${dry_run:?set dry_run=0 (start) or 1 (print) before sourcing launch/sides.sh}"
 
 declare -A running=()  # pid -> label
 
