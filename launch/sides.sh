@@ -23,6 +23,10 @@ show_or_start() {
     quoted "$@"
     return
   fi
+  if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 501)); then
+    echo "launching needs bash >= 5.1 (wait -n -p); this is bash $BASH_VERSION (--dry-run works)" >&2
+    exit 2
+  fi
   echo "+ [$label] $(quoted "$@")" >&2
   "$@" > >(sed -u "s/^/[$label] /") 2>&1 &
   running[$!]=$label
