@@ -72,3 +72,27 @@ def test_online_vs_iterate_smoke_times_both_commands(tmp_path: Path) -> None:
     # both did the work: 2 updates online; iterate ran every stage of both iterations
     assert result["online_phase_seconds"]["updates"] == 2
     assert {"generate", "score", "train"} <= set(result["iterate_stage_seconds"])
+
+
+@pytest.mark.slow  # three child processes, each importing jax
+def test_weight_sync_smoke_checks_every_path_and_labels_the_8b_extrapolation(tmp_path: Path) -> None:
+    _run(tmp_path, str(ROOT / "benchmarks" / "weight_sync.py"), "--smoke", "--out", "ws.json")
+    result = json.loads((tmp_path / "ws.json").read_text())
+    (row,) = result["rows"]
+    for path in ("in_memory", "orbax", "safetensors"):
+        assert row[path]["equal"] is True, path  # the sampler got the trainer's bytes
+        assert row[path]["sync_median_s"] > 0
+    for path in ("orbax", "safetensors"):  # a storage sync is one save and one load
+        assert row[path]["sync_median_s"] == pytest.approx(
+            row[path]["save_median_s"] + row[path]["load_median_s"])
+    qwen, big = result["extrapolated"]
+    assert qwen["model"] == "qwen25_15b" and big["model"] == "llama3_8b"
+    # Llama-3-8B by hand: untied embedding + head, 32 × (q, o 4096²; k, v 4096 × 1024; three
+    # MLP matrices 4096 × 14336; two norms), the final norm
+    layer = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert big["params"] == 2 * 128256 * 4096 + 32 * layer + 4096 == 8_030_261_248
+    assert big["bytes"] == 2 * big["params"] and big["extrapolated_from"] == "tiny"
+    assert "EXTRAPOLATION" in result["note"] and "(extrapolated)" in big["label"]
+    rate = row["bytes"] / row["orbax"]["sync_median_s"]
+    assert big["orbax"]["sync_median_s"] == pytest.approx(big["bytes"] / rate)
+    assert "(extrapolated)" in (tmp_path / "ws.md").read_text()
