@@ -285,6 +285,10 @@ def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened]
              ) -> Opened:
     """Checks (before any model is loaded), placement, policy, restore, and the sampler side
     (`sampler`; none for the storage trainer, whose samplers are other processes)."""
+    if sampler and config.online.exchange:
+        raise ConfigError(f"online.exchange={config.online.exchange}: the sampler runs in "
+                          "worker processes; run each side with `jaxrl-llm online --role "
+                          "trainer` / `--role worker --worker K` (online.remote)")
     loop.check_config(config)
     placement = make_placement(config)
     o = config.online
