@@ -190,6 +190,8 @@ class StoredFeed:
         version = self._checked(r, int(header["version"]), header.get("incarnation"))
         self.waited += time.perf_counter() - t0
         self.next = r + 1
+        if o.pipeline == "free" and _lead():  # free workers sample a bounded way ahead of it
+            self.opened.write_progress(done=False)
         return Sampled(r, version, int(header["position"]), batches,
                        {**header["metrics"], "pipeline/worker": float(worker)},
                        header["mu_source"], header["seconds"])

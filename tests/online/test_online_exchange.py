@@ -25,7 +25,7 @@ from tests.online.exchange_helpers import (
     setup,
     start,
 )
-from tests.online.helpers import tiny, write_yaml
+from tests.online.helpers import metric_rows, tiny, write_yaml
 
 
 def test_trainer_and_worker_processes_equal_the_serial_loop_bit_for_bit(tmp_path: Path) -> None:
@@ -143,3 +143,31 @@ def test_an_exchange_config_is_refused_by_the_one_process_pipeline(tmp_path: Pat
     with pytest.raises(ConfigError, match="online.exchange.*--role trainer"):
         run_pipeline(_config(tmp_path), progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # a trainer and two workers as processes (~1 min)
+def test_free_running_workers_keep_the_bound_and_account_for_every_sample(tmp_path: Path) -> None:
+    # Not reproducible (which round meets which version is timing): what holds in every run
+    # is the bound and the accounting, as for the in-memory free-running pipeline.
+    env = base_env(tmp_path / "jax-cache")
+    setup(tmp_path, pipeline="free", staleness=0, max_staleness=1, workers=2,
+          mu_source="sampler", checkpoint_every=2)
+    trainer_args, worker_args = readme_commands()[:2]
+    sides = [start(trainer_args, tmp_path, env, "trainer.log")] + [
+        start([*worker_args[:-1], str(k)], tmp_path, env, f"worker{k}.log") for k in (0, 1)]
+    outputs = [finish(p, tmp_path, log) for p, log in
+               zip(sides, ["trainer.log", "worker0.log", "worker1.log"])]
+    rows = metric_rows(tmp_path / "run")
+    assert [r["updates"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["pipeline/lag_max"] <= 1.0  # the bound
+        assert r["pipeline/received_total"] == (r["pipeline/trained_total"]
+                                                + r["pipeline/dropped_total"]
+                                                + r["pipeline/waiting"])
+    assert [r["pipeline/trained_total"] for r in rows] == [8.0, 16.0, 24.0, 32.0]
+    assert rows[-1]["pipeline/sampled_rounds"] * 8 == rows[-1]["pipeline/received_total"]
+    # the workers stopped when the trainer was done, each having sampled its own rounds
+    sampled = [json.loads(out[out.rindex("{"):])["sampled_rounds"] for out in outputs[1:]]
+    assert all(n >= 1 for n in sampled)
+    assert sum(sampled) >= rows[-1]["pipeline/sampled_rounds"]
+    assert Exchange(str(tmp_path / "exchange"), 1).progress()["done"] is True
