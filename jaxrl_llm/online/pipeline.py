@@ -20,7 +20,6 @@ rounds run in this thread, in turn with the updates (the reference the tests com
 
 from __future__ import annotations
 
-import math
 import queue as queues
 import threading
 import time
@@ -38,7 +37,7 @@ from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online import loop
 from jaxrl_llm.online.config import OnlineConfig
-from jaxrl_llm.online.lag import lag_metrics, side_seconds, weights_version
+from jaxrl_llm.online.lag import lag_metrics, side_seconds, total_rounds, version_of
 from jaxrl_llm.online.placement import Placement, make_placement
 from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.online.rounds import (
@@ -107,13 +106,6 @@ class Weights:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-
-def version_of(config: OnlineConfig, round_index: int) -> int:
-    """θ_version that samples round `round_index` in the serial loop (`lag.weights_version`)."""
-    o = config.online
-    return weights_version(round_index, updates_per_round=o.updates_per_round,
-                           staleness=o.staleness, total_updates=o.rounds * o.updates_per_round)
 
 
 class _Stopped(Exception):
@@ -352,12 +344,6 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
     return train_rounds(opened, lambda: Feed(side, run.round, total_rounds(config), run.position,
                                              overlap=config.online.pipeline != "off"),
                         progress=progress, eval_hook=eval_hook, eval_every=eval_every)
-
-
-def total_rounds(config: OnlineConfig) -> int:
-    """The serial loop's rounds: the training ones plus those that fill the queue."""
-    o = config.online
-    return o.rounds + math.ceil(o.staleness / o.updates_per_round)
 
 
 def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool,

@@ -38,6 +38,7 @@ from jaxrl_llm.online import loop
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.exchange import Exchange, ExchangeError, differences, tokenizer_identity
 from jaxrl_llm.online.free import NO_END, free_counts, free_rounds, rounds_ahead
+from jaxrl_llm.online.lag import total_rounds, version_of
 from jaxrl_llm.online.pipeline import (
     Opened,
     Sampled,
@@ -45,9 +46,7 @@ from jaxrl_llm.online.pipeline import (
     open_run,
     problems_of,
     sampler_mu,
-    total_rounds,
     train_rounds,
-    version_of,
 )
 from jaxrl_llm.online.placement import Placement, check_placement
 from jaxrl_llm.online.rounds import sampling_seed

@@ -26,6 +26,7 @@ from tests.online.exchange_helpers import (
     start,
 )
 from tests.online.helpers import metric_rows, tiny, write_yaml
+from tests.reliability import record
 
 
 def test_trainer_and_worker_processes_equal_the_serial_loop_bit_for_bit(tmp_path: Path) -> None:
@@ -63,7 +64,26 @@ def _config(tmp_path: Path, **online: object) -> OnlineConfig:
     return config_from_dict(tree, schema=OnlineConfig)
 
 
+@pytest.mark.reliability
 def test_what_the_exchange_cannot_use_is_refused_naming_path_cause_and_fix(tmp_path: Path) -> None:
+    failures = 0
+    try:
+        _refusals(tmp_path)
+    except AssertionError:
+        failures = 1
+        raise
+    finally:
+        record("bad input", "online exchange: what a side cannot use", runs=8,
+               failures=failures, detail="no worker (trainer: no record shard of round 0 … "
+               "within online.worker_timeout_s … may not share this path); a worker of "
+               "another model (model.hidden_size: worker 64, the exchange 32) or seed; a "
+               "weight version torn at its final name (half-written … never loaded) or only "
+               "at a temporary name (not loaded: no weight version θ_0 … within "
+               "worker_timeout_s); a shard of θ_1 where the bound says θ_0 (outside the "
+               "bound); a torn shard (half-written record shard)")
+
+
+def _refusals(tmp_path: Path) -> None:
     # In one process, in turn: a trainer alone, workers beside its manifest and θ_0.
     ex = Exchange(str(tmp_path / "exchange"), 1)
     # 1. no worker: the trainer waits online.worker_timeout_s for round 0, then names the path
