@@ -331,6 +331,12 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
                        mu_source=None, mu=sampler_mu(config))
     weights = side.weights = StoredWeights(ex, side, {"model": ours["model"]})
     del policy  # the side keeps its own Policy (no optimizer state)
+    engine = f"jax {jax.__version__}"
+    if g.backend == "vllm":  # vLLM samples; the JAX policy takes the versions and scores μ
+        from jaxrl_llm.online.vllm_rollout import VllmRollout
+
+        side.policy = VllmRollout(side.policy, problems)  # type: ignore[assignment]
+        engine = side.policy.engine_name
     free = o.pipeline == "free"
     last = NO_END if free else total_rounds(config)
     side.free = free
@@ -363,7 +369,7 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
                              "metrics": done.metrics, "mu_source": done.mu_source,
                              "seconds": done.seconds, "worker": index,
                              "incarnation": weights.incarnation,
-                             "sampler": {"backend": g.backend, "engine": f"jax {jax.__version__}",
+                             "sampler": {"backend": g.backend, "engine": engine,
                                          "seed": sampling_seed(config.seed, r),
                                          "temperature": g.temperature,
                                          "top_k": g.top_k, "top_p": g.top_p}},
@@ -371,8 +377,10 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
             sampled += 1
     finally:
         side.bar.close()
+        if g.backend == "vllm":
+            side.policy.close()
     return {"worker": index, "sampled_rounds": sampled, "skipped_rounds": skipped,
-            "exchange": str(ex.root)}
+            "engine": engine, "exchange": str(ex.root)}
 
 
 def _decided_mu(ex: Exchange, side: SamplerSide, r: int) -> None:
