@@ -179,10 +179,12 @@ class Exchange:
         return header, batches
 
     # -- garbage ---------------------------------------------------------------------------
-    def collect(self, *, versions_below: int, rounds_below: int) -> None:
-        """Delete the versions and the round shards no side can need any more."""
+    def collect(self, *, versions_below: int, rounds_below: int,
+                versions_above: int | None = None) -> None:
+        """Delete the versions and the round shards no side can need any more (and the
+        versions above `versions_above`: a killed free-running trainer's, lost with it)."""
         for v in self.versions():
-            if v < versions_below:
+            if v < versions_below or (versions_above is not None and v > versions_above):
                 _remove(self.weights_path(v))
         for r in self.sampled_rounds():
             if r < rounds_below:

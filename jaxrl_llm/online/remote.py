@@ -242,6 +242,8 @@ def run_trainer(config: OnlineConfig, *, progress: bool = True, eval_hook: Any =
     opened.saved_round = counts["sampled_rounds"] if free else opened.run.round
     if _lead():
         opened.write_progress(done=False)
+        if free:  # workers must not take the newest of versions lost with a killed trainer
+            ex.collect(versions_below=0, rounds_below=0, versions_above=opened.run.updates)
     if free:
         result = free_rounds(opened, lambda: StoredFeed(opened, counts["sampled_rounds"]),
                              progress=progress)

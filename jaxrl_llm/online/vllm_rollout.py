@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.generate.completions import build_records
 from jaxrl_llm.generate.vllm import VllmEngine, engine_settings, needed_model_len, prompt_seeds
 from jaxrl_llm.generate.vllm_env import require_vllm
+from jaxrl_llm.online.loop import untruncated
 
 
 class VllmRollout:
@@ -25,8 +27,16 @@ class VllmRollout:
 
     def __init__(self, policy: Any, problems: Sequence[Any]) -> None:
         self._policy = policy
-        self.install = require_vllm()
         g = policy.config.generate
+        if not untruncated(policy.config) or g.vllm_logprobs_mode != "processed_logprobs":
+            raise ConfigError(
+                "a vLLM rollout worker needs untruncated sampling (generate.top_k=0, top_p=1, "
+                "temperature>0) and generate.vllm_logprobs_mode=processed_logprobs: its "
+                "log-probs then are the sampling distribution's, what the online loop compares "
+                "with μ (got top_k="
+                f"{g.top_k}, top_p={g.top_p}, temperature={g.temperature}, "
+                f"vllm_logprobs_mode={g.vllm_logprobs_mode}); or use generate.backend=jax")
+        self.install = require_vllm()
         # the engine's length fits every prompt of the pool, so no later round outgrows it
         every = policy.encode([policy.task.prompt(p) for p in problems])
         self._model_len = needed_model_len(every, g.max_new_tokens, g.vllm_max_model_len)
@@ -76,8 +86,10 @@ class VllmRollout:
                                     n=n or g.n, temperature=g.temperature, top_p=g.top_p,
                                     top_k=g.top_k, max_new_tokens=g.max_new_tokens,
                                     stop_at_eos=g.stop_at_eos)
-        return build_records(task, list(problems), ids, completions, self._policy.tokenizer,
-                             group_offset=group_offset, prompts=texts)
+        records = build_records(task, list(problems), ids, completions, self._policy.tokenizer,
+                                group_offset=group_offset, prompts=texts)
+        # untruncated (checked above): the processed log-probs are the JAX sampler's raw ones
+        return [r.replace(raw_logprobs=r.behavior_logprobs) for r in records]
 
     def close(self) -> None:
         if self._engine is not None:
