@@ -320,6 +320,10 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
     o, g = config.online, config.generate
     check_roles(config, "worker", index)
     loop.check_config(config)
+    if g.backend == "vllm":
+        from jaxrl_llm.online.vllm_rollout import check_vllm_worker
+
+        check_vllm_worker(config)
     check_placement(config, jax.devices())
     ex = Exchange(o.exchange, o.worker_timeout_s)
     mesh = make_mesh(config.mesh, jax.devices())

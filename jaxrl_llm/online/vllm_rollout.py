@@ -21,6 +21,18 @@ from jaxrl_llm.generate.vllm_env import require_vllm
 from jaxrl_llm.online.loop import untruncated
 
 
+def check_vllm_worker(config: Any) -> None:
+    """Refuse sampling settings whose vLLM log-probs are not the sampling distribution's."""
+    g = config.generate
+    if not untruncated(config) or g.vllm_logprobs_mode != "processed_logprobs":
+        raise ConfigError(
+            "a vLLM rollout worker needs untruncated sampling (generate.top_k=0, top_p=1, "
+            "temperature>0) and generate.vllm_logprobs_mode=processed_logprobs: its "
+            "log-probs then are the sampling distribution's, what the online loop compares "
+            f"with μ (got top_k={g.top_k}, top_p={g.top_p}, temperature={g.temperature}, "
+            f"vllm_logprobs_mode={g.vllm_logprobs_mode}); or use generate.backend=jax")
+
+
 class VllmRollout:
     """Stands in for the worker side's `Policy`: `rollout` runs on vLLM with the weights last
     set through `state`; everything else (`score`, `tokenizer`, ...) is the JAX policy's."""
@@ -28,14 +40,7 @@ class VllmRollout:
     def __init__(self, policy: Any, problems: Sequence[Any]) -> None:
         self._policy = policy
         g = policy.config.generate
-        if not untruncated(policy.config) or g.vllm_logprobs_mode != "processed_logprobs":
-            raise ConfigError(
-                "a vLLM rollout worker needs untruncated sampling (generate.top_k=0, top_p=1, "
-                "temperature>0) and generate.vllm_logprobs_mode=processed_logprobs: its "
-                "log-probs then are the sampling distribution's, what the online loop compares "
-                "with μ (got top_k="
-                f"{g.top_k}, top_p={g.top_p}, temperature={g.temperature}, "
-                f"vllm_logprobs_mode={g.vllm_logprobs_mode}); or use generate.backend=jax")
+        check_vllm_worker(policy.config)
         self.install = require_vllm()
         # the engine's length fits every prompt of the pool, so no later round outgrows it
         every = policy.encode([policy.task.prompt(p) for p in problems])

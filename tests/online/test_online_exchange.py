@@ -146,6 +146,9 @@ def _refusals(tmp_path: Path) -> None:
       "trainer"], "staleness >= 1 .*nothing can overlap"),
     (["online.exchange=ex", "online.pipeline=deterministic", "online.staleness=0", "--role",
       "worker", "--worker", "0"], "staleness >= 1 .*nothing can overlap"),
+    (["online.exchange=ex", "online.pipeline=deterministic", "online.staleness=1",
+      "generate.backend=vllm", "generate.top_k=5", "--role", "worker", "--worker", "0"],
+     "vLLM rollout worker needs untruncated sampling .*got top_k=5"),
     (["online.exchange=ex", "online.staleness=1", "--role", "trainer"],
      "online.exchange=.*ex runs the sampler in worker processes: set online.pipeline"),
 ])
