@@ -259,6 +259,10 @@ class _Skip(Exception):
     """The round no longer needs sampling (the trainer passed it, or finished)."""
 
 
+class _Newer(Exception):
+    """Free-running: the newest version was collected before it was read; take the next."""
+
+
 class StoredWeights:
     """`pipeline.Weights` for a worker: versions read from the exchange onto its mesh."""
 
@@ -273,6 +277,7 @@ class StoredWeights:
                            state_shardings(state.model_state, mesh))
         self._cached: tuple[int, Any] | None = None
         self.incarnation: str | None = None
+        self.free = False
 
     def _passed(self) -> bool:
         progress = self.ex.progress()
@@ -289,6 +294,8 @@ class StoredWeights:
         if self._cached is not None and self._cached[0] == version:
             return self._cached[1]
         path = self.ex.weights_path(version)
+        if self.free and not path.exists():
+            raise _Newer
         if self.ex.wait(path.exists, f"weight version θ_{version}",
                         "`jaxrl-llm online --role trainer`", give_up=self._passed) is None:
             raise _Skip
@@ -345,7 +352,7 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
         engine = side.policy.engine_name
     free = o.pipeline == "free"
     last = NO_END if free else total_rounds(config)
-    side.free = free
+    side.free = weights.free = free
     side.bar = progress_bar(None if free else len(range(index, last, o.workers)),
                             desc=f"worker {index}", unit="round", enabled=progress)
     sampled = skipped = 0
@@ -366,7 +373,7 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
                 break
             _decided_mu(ex, side, r)
             try:
-                done = side.sample(r, r * o.prompts_per_round % len(problems))
+                done = _sample(side, r, r * o.prompts_per_round % len(problems))
             except _Skip:
                 continue
             if r == 0:  # the μ decision every later round keeps (online.mu_source: auto)
@@ -387,6 +394,14 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
             side.policy.close()
     return {"worker": index, "sampled_rounds": sampled, "skipped_rounds": skipped,
             "engine": engine, "exchange": str(ex.root)}
+
+
+def _sample(side: SamplerSide, r: int, position: int) -> Sampled:
+    while True:
+        try:
+            return side.sample(r, position)
+        except _Newer:
+            continue
 
 
 def _decided_mu(ex: Exchange, side: SamplerSide, r: int) -> None:
