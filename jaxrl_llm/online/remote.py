@@ -32,11 +32,10 @@ from jax.experimental import multihost_utils
 
 from jaxrl_llm.api import load_policy
 from jaxrl_llm.core.errors import ConfigError
-from jaxrl_llm.core.paths import RUN_PATH_KEYS
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.online import loop
 from jaxrl_llm.online.config import OnlineConfig
-from jaxrl_llm.online.exchange import Exchange, ExchangeError, differences, tokenizer_identity
+from jaxrl_llm.online.exchange import Exchange, ExchangeError, check_manifest, manifest_of
 from jaxrl_llm.online.free import NO_END, free_counts, free_rounds, rounds_ahead
 from jaxrl_llm.online.lag import total_rounds, version_of
 from jaxrl_llm.online.pipeline import (
@@ -52,47 +51,6 @@ from jaxrl_llm.online.placement import Placement, check_placement
 from jaxrl_llm.online.rounds import sampling_seed
 from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.parallel.rules import state_shardings
-
-_RUN_KEYS = ("prompts_per_round", "updates_per_round", "staleness", "rounds", "pipeline",
-             "workers", "mu_source", "max_mu_mismatch", "pkpo_k", "pass_k", "max_staleness")
-
-
-def manifest_of(config: OnlineConfig, tokenizer: Any) -> dict[str, Any]:
-    """What both sides must agree on: the model, the tokenizer, and every key that decides
-    what a round samples (paths left out: two hosts may mount them differently)."""
-    tree = config.model_dump(mode="json")
-    for key in RUN_PATH_KEYS:
-        *sections, name = key.split(".")
-        node = tree
-        for section in sections:
-            node = node[section]
-        node.pop(name, None)
-    return {"model": tree["model"], "tokenizer": tokenizer_identity(tokenizer),
-            "run": {"seed": tree["seed"], "generate": tree["generate"], "data": tree["data"],
-                    "loss": tree["loss"]["name"],
-                    "online": {k: tree["online"][k] for k in _RUN_KEYS}}}
-
-
-def check_manifest(ex: Exchange, ours: dict[str, Any], theirs: dict[str, Any],
-                   side: str) -> None:
-    """Refuse a side whose model, tokenizer or sampling keys differ, naming both values."""
-    keys = differences(ours, theirs)
-    if not keys:
-        return
-
-    def value(tree: dict[str, Any], key: str) -> Any:
-        for part in key.split("."):
-            tree = tree.get(part) if isinstance(tree, dict) else None
-        return tree
-
-    shown = "; ".join(f"{k}: {side} {value(ours, k)!r}, the exchange {value(theirs, k)!r}"
-                      for k in keys[:6])
-    what = "model or tokenizer" if any(k.split(".")[0] in ("model", "tokenizer") for k in keys) \
-        else "sampling settings"
-    raise ExchangeError(
-        f"this {side}'s {what} differ from what the trainer publishes in "
-        f"{ex.root / 'manifest.json'} ({shown}): run every side with the same config, or give "
-        "a new run an empty online.exchange")
 
 
 def check_roles(config: OnlineConfig, role: str | None, worker: int | None) -> None:
