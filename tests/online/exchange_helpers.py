@@ -49,10 +49,27 @@ def start(args: list[str], cwd: Path, env: dict[str, str], log: str) -> subproce
 
 
 def finish(proc: subprocess.Popen, cwd: Path, log: str) -> str:
-    code = proc.wait(timeout=TIMEOUT_S)
+    """Wait for `proc` (killed if it outlives the harness's timeout); its log; exit 0."""
+    try:
+        code = proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:  # a hung side: no process outlives the test
+            proc.kill()
+            proc.wait()
     text = (cwd / log).read_text(errors="replace")
     assert code == 0, f"{log}: exit {code}\n{text[-3000:]}"
     return text
+
+
+def finish_all(procs: list[subprocess.Popen], cwd: Path, logs: list[str]) -> list[str]:
+    """`finish` each; the others are killed when one fails."""
+    try:
+        return [finish(p, cwd, log) for p, log in zip(procs, logs, strict=True)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def comparable(rows: list[dict]) -> list[dict]:

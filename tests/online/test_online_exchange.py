@@ -20,7 +20,7 @@ from jaxrl_llm.online.remote import run_trainer, run_worker
 from tests.faults.harness import base_env, cli
 from tests.online.exchange_helpers import (
     assert_serial_equal,
-    finish,
+    finish_all,
     readme_commands,
     setup,
     start,
@@ -39,8 +39,8 @@ def test_trainer_and_worker_processes_equal_the_serial_loop_bit_for_bit(tmp_path
     cli(["online", "--config", "serial.yaml", "--no-progress"], cwd=tmp_path, env=env)
     trainer = start(trainer_args, tmp_path, env, "trainer.log")
     worker = start(worker_args, tmp_path, env, "worker.log")
-    trainer_out = finish(trainer, tmp_path, "trainer.log")
-    worker_out = finish(worker, tmp_path, "worker.log")
+    trainer_out, worker_out = finish_all([trainer, worker], tmp_path,
+                                         ["trainer.log", "worker.log"])
     rows = assert_serial_equal(tmp_path)
     # a progress line per side; the worker sampled all 6 rounds
     assert "trainer: 4/4" in trainer_out and "worker 0: 6/6" in worker_out, worker_out[-2000:]
@@ -178,8 +178,7 @@ def test_free_running_workers_keep_the_bound_and_account_for_every_sample(tmp_pa
     trainer_args, worker_args = readme_commands()[:2]
     sides = [start(trainer_args, tmp_path, env, "trainer.log")] + [
         start([*worker_args[:-1], str(k)], tmp_path, env, f"worker{k}.log") for k in (0, 1)]
-    outputs = [finish(p, tmp_path, log) for p, log in
-               zip(sides, ["trainer.log", "worker0.log", "worker1.log"])]
+    outputs = finish_all(sides, tmp_path, ["trainer.log", "worker0.log", "worker1.log"])
     rows = metric_rows(tmp_path / "run")
     assert [r["updates"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
