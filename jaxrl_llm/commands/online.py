@@ -4,8 +4,10 @@ trainer sharing the policy's weights, with `online.staleness` updates between sa
 batch and training on it (`online.loop.run_online`, docs/online.md); with
 `online.sampler_devices` the sampler runs on its own devices, ahead of the trainer with
 `online.pipeline: deterministic` (`online.pipeline.run_pipeline`) or free-running with
-`online.pipeline: free` (`online.free.run_free`, docs/online.md § Pipeline). Re-running the same
-command resumes from the run's last checkpoint."""
+`online.pipeline: free` (`online.free.run_free`, docs/online.md § Pipeline); with
+`online.exchange` it runs one side of a pipeline whose trainer and rollout workers are separate
+processes sharing only that directory: `--role trainer`, `--role worker --worker K`
+(`online.remote`). Re-running the same command resumes from the run's last checkpoint."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ from jaxrl_llm.commands.config import add_config_arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, required=True)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--role", choices=("trainer", "worker"), default=None,
+                        help="with online.exchange: run the trainer, or a rollout worker")
+    parser.add_argument("--worker", type=int, default=None, metavar="K",
+                        help="--role worker: which worker (samples the rounds r with "
+                        "r %% online.workers == K)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +38,16 @@ def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.online.pipeline import run_pipeline, wants_pipeline
 
     config = load_config(args.config, args.overrides, schema=OnlineConfig)
+    if args.role is not None or config.online.exchange:
+        from jaxrl_llm.online.remote import check_roles
+
+        check_roles(config, args.role, args.worker)
+    if args.role == "worker":
+        from jaxrl_llm.online.remote import run_worker
+
+        print(json.dumps(run_worker(config, args.worker, progress=not args.no_progress),
+                         indent=2))
+        return 0
     hook, every = None, config.train.eval_every or 0
     if every and config.online.pipeline == "free":
         from jaxrl_llm.core.errors import ConfigError
@@ -47,7 +64,12 @@ def run(args: argparse.Namespace) -> int:
         def hook(updates: int, policy: Any) -> Any:
             return evaluate(updates, policy.state)
 
-    if config.online.pipeline == "free":
+    if args.role == "trainer":
+        from jaxrl_llm.online.remote import run_trainer
+
+        result = run_trainer(config, progress=not args.no_progress, eval_hook=hook,
+                             eval_every=every)
+    elif config.online.pipeline == "free":
         result = run_free(config, progress=not args.no_progress)
     elif wants_pipeline(config):
         result = run_pipeline(config, progress=not args.no_progress, eval_hook=hook,

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jaxrl_llm.config import ExperimentConfig, Section
+from jaxrl_llm.core.paths import RunPath
 
 
 class OnlineSection(Section):
@@ -50,6 +51,16 @@ class OnlineSection(Section):
                                  "between them in memory")
     checkpoint_every: int = Field(1, gt=0, description="rounds between checkpoints (params, "
                                   "optimizer, RNG, queued samples, prompt position)")
+    exchange: RunPath | None = Field(
+        None, description="a directory (local or gs://) the trainer and rollout-worker "
+        "processes share and nothing else: the trainer publishes weight versions there, the "
+        "workers record shards; when set, `jaxrl-llm online` runs one side and needs --role "
+        "trainer or --role worker --worker K (docs/online.md § Pipeline)")
+    workers: int = Field(1, gt=0, description="exchange: rollout worker processes; worker K "
+                         "samples the rounds r with r % workers == K")
+    worker_timeout_s: float = Field(600.0, gt=0, description="exchange: seconds a side waits "
+                                    "for the other (a round, a weight version) before failing "
+                                    "with an error naming the exchange path")
 
     @model_validator(mode="after")
     def _positive_k(self) -> OnlineSection:

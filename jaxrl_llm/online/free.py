@@ -19,6 +19,8 @@ import time
 from collections import deque
 from typing import Any
 
+import jax
+
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
@@ -35,24 +37,46 @@ def run_free(config: OnlineConfig, *, progress: bool = True) -> Any:
         raise ValueError(f"online.pipeline={config.online.pipeline}: run_free runs "
                          "online.pipeline: free (pipeline.run_pipeline runs the others)")
     opened = open_run(config)
-    o, g = config.online, config.generate
-    policy, run, side, checkpointer = opened.policy, opened.run, opened.side, opened.checkpointer
+    side = opened.side
+    assert side is not None
     side.free = True
+    counts = free_counts(opened.meta)
+    side.bar = progress_bar(None, desc="sampler", unit="round", enabled=progress,
+                            initial=counts["sampled_rounds"])
+    # at most enough rounds ahead to cover the bound: the sampler waits beyond that
+    return free_rounds(opened, lambda: Feed(side, counts["sampled_rounds"], NO_END,
+                                            opened.run.position, overlap=True,
+                                            ahead=rounds_ahead(config)), progress=progress)
+
+
+def rounds_ahead(config: OnlineConfig) -> int:
+    """How many sampled rounds may wait for the trainer: enough to cover the lag bound."""
+    o = config.online
+    return max(1, -(-(o.max_staleness + 1) // o.updates_per_round))
+
+
+def free_counts(meta: dict[str, Any]) -> dict[str, int]:
+    """The accounting a checkpoint's meta carries (zeros on a fresh run)."""
+    return {k: int(meta.get(k, 0)) for k in ("received_total", "trained_total",
+                                              "dropped_total", "sampled_rounds")}
+
+
+def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
+    """The free-running trainer (module docstring) over `make_feed()`'s rounds, publishing
+    after every update (`opened.publish`)."""
+    config = opened.config
+    o, g = config.online, config.generate
+    policy, run, checkpointer = opened.policy, opened.run, opened.checkpointer
     total_updates = o.rounds * o.updates_per_round
     batch = config.train.batch_size
     versions = opened.meta.get("versions", [])
     pending: deque[tuple[int, list[Record]]] = deque(zip(versions, run.queue.batches(), strict=True))
-    counts = {k: int(opened.meta.get(k, 0)) for k in ("received_total", "trained_total",
-                                                      "dropped_total", "sampled_rounds")}
+    counts = free_counts(opened.meta)
     logger = opened.logger()
-    side.bar = progress_bar(None, desc="sampler", unit="round", enabled=progress,
-                            initial=counts["sampled_rounds"])
-    bar = progress_bar(total_updates, desc="trainer", unit="update", enabled=progress,
-                       initial=run.updates)
+    bar = progress_bar(total_updates, desc="trainer", unit="update",
+                       enabled=progress and jax.process_index() == 0, initial=run.updates)
     syncs = [opened.publish()]
-    # at most enough rounds ahead to cover the bound: the sampler waits beyond that
-    feed = Feed(side, counts["sampled_rounds"], NO_END, run.position, overlap=True,
-                ahead=max(1, -(-(o.max_staleness + 1) // o.updates_per_round)))
+    feed = make_feed()
     last: dict[str, Any] = {}
     try:
         while run.round < o.rounds:
@@ -97,9 +121,11 @@ def run_free(config: OnlineConfig, *, progress: bool = True) -> Any:
             last = logger.log(run.round, metrics)
             syncs = []
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", dropped=counts["dropped_total"])
-            if checkpointer.should_save(run.round) or run.round == o.rounds:
+            saved = checkpointer.should_save(run.round) or run.round == o.rounds
+            if saved:
                 opened.save([b for _, b in pending], mode="free",
                             versions=[v for v, _ in pending], **counts)
+            opened.round_done(saved)
     finally:
         opened.close(feed, bar, logger)
     return opened.result(last)

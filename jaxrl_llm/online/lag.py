@@ -1,10 +1,12 @@
-"""The staleness schedule as version numbers, and the pipeline's per-round lag and time
+"""The staleness schedule as version numbers (of an online config too), and the pipeline's per-round lag and time
 columns (docs/online.md § Pipeline). Pure functions."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 LAG = "pipeline/lag"  # column prefix of the lag statistics and histogram
 
@@ -40,3 +42,16 @@ def side_seconds(*, sampler_busy: float, sampler_wait: float, trainer_busy: floa
     if syncs:
         out["pipeline/sync_pause_max_s"] = float(max(syncs))
     return out
+
+
+def version_of(config: Any, round_index: int) -> int:
+    """`weights_version` of an online config's round `round_index`."""
+    o = config.online
+    return weights_version(round_index, updates_per_round=o.updates_per_round,
+                           staleness=o.staleness, total_updates=o.rounds * o.updates_per_round)
+
+
+def total_rounds(config: Any) -> int:
+    """The serial loop's rounds: the training ones plus those that fill the queue."""
+    o = config.online
+    return o.rounds + math.ceil(o.staleness / o.updates_per_round)

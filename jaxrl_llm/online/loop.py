@@ -83,9 +83,10 @@ def check_config(config: OnlineConfig) -> None:
     if t.batch_size % g.n:
         raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of generate.n="
                           f"{g.n} (a batch holds whole groups)")
-    if g.backend != "jax":
+    if g.backend != "jax" and not o.exchange:
         raise ConfigError("generate.backend must be jax for online (the sampler shares the "
-                          "trainer's weights)")
+                          "trainer's weights); vLLM samples as a rollout worker of a storage "
+                          "pipeline (online.exchange, docs/online.md § Pipeline)")
     if spec.needs_pairs:
         raise ConfigError(f"loss.name={config.loss.name} trains on (chosen, rejected) pairs "
                           "from curate; online has none: pick a policy-gradient loss")

@@ -20,7 +20,6 @@ rounds run in this thread, in turn with the updates (the reference the tests com
 
 from __future__ import annotations
 
-import math
 import queue as queues
 import threading
 import time
@@ -38,7 +37,7 @@ from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online import loop
 from jaxrl_llm.online.config import OnlineConfig
-from jaxrl_llm.online.lag import lag_metrics, side_seconds, weights_version
+from jaxrl_llm.online.lag import lag_metrics, side_seconds, total_rounds, version_of
 from jaxrl_llm.online.placement import Placement, make_placement
 from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.online.rounds import (
@@ -128,9 +127,7 @@ class SamplerSide:
         self.free = False  # free-running: sample with the newest weights, not θ_U(r)
 
     def version(self, round_index: int) -> int:
-        o = self.config.online
-        return weights_version(round_index, updates_per_round=o.updates_per_round,
-                               staleness=o.staleness, total_updates=o.rounds * o.updates_per_round)
+        return version_of(self.config, round_index)
 
     def sample(self, round_index: int, position: int) -> Sampled:
         o, g, d = self.config.online, self.config.generate, self.config.data
@@ -237,8 +234,8 @@ class Opened:
     run: Any  # loop._Run
     meta: dict[str, Any]  # the restored checkpoint's online meta ({} on a fresh run)
     checkpointer: Checkpointer
-    side: SamplerSide
-    weights: Weights
+    side: SamplerSide | None
+    weights: Weights | None
 
     def publish(self) -> float:
         """θ_updates onto the sampler's devices; the trainer's pause in seconds."""
@@ -250,13 +247,19 @@ class Opened:
     def logger(self) -> MetricsLogger:
         c = self.config
         return MetricsLogger(c.run_dir, resume_step=self.run.round, wandb=c.metrics,
+                             enabled=jax.process_index() == 0,  # a multi-host trainer
                              run_name=c.name, run_config=c.model_dump(mode="json"))
+
+    def round_done(self, saved: bool) -> None:
+        """After each round's row (and its checkpoint when `saved`): nothing here; the
+        storage trainer (online/remote.py) records its progress and collects garbage."""
 
     def close(self, feed: Feed, bar: Any, logger: MetricsLogger) -> None:
         """Stop the sampler side, close the bars, the metrics and the checkpointer."""
         feed.close()
-        for closing in (self.side.bar, bar, logger, self.checkpointer):
-            closing.close()
+        for closing in (getattr(self.side, "bar", None), bar, logger, self.checkpointer):
+            if closing is not None:
+                closing.close()
 
     def result(self, last: dict[str, Any]) -> Any:
         jax.block_until_ready(self.policy.state.params)
@@ -270,14 +273,19 @@ class Opened:
             loop.ONLINE_META: {**self.run.meta(), **extra}})
 
 
-def open_run(config: OnlineConfig) -> Opened:
-    """Checks (before any model is loaded), placement, policy, restore, sampler side."""
+def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened] = Opened
+             ) -> Opened:
+    """Checks (before any model is loaded), placement, policy, restore, and the sampler side
+    (`sampler`; none for the storage trainer, whose samplers are other processes)."""
+    if sampler and config.online.exchange:
+        raise ConfigError(f"online.exchange={config.online.exchange}: the sampler runs in "
+                          "worker processes; run each side with `jaxrl-llm online --role "
+                          "trainer` / `--role worker --worker K` (online.remote)")
     loop.check_config(config)
     placement = make_placement(config)
-    o, g, d = config.online, config.generate, config.data
+    o = config.online
     experiment = loop.experiment_of(config)
     policy = load_policy(config=experiment, mesh=placement.trainer)
-    problems = policy.task.load(split=g.split, num=d.num_prompts, seed=config.seed)
     run = loop._Run(o.staleness)
     checkpointer = Checkpointer(as_path(config.run_dir) / CHECKPOINT_DIR, save_every=o.checkpoint_every,
                                 keep=config.train.keep_checkpoints, async_save=False,
@@ -293,6 +301,23 @@ def open_run(config: OnlineConfig) -> Opened:
                 f"{'free' if free else 'off/deterministic'} and cannot resume as "
                 f"online.pipeline={o.pipeline}: set it back, or start a new run_dir")
 
+    if not sampler:
+        return opened(config, experiment, placement, policy, run, meta, checkpointer, None, None)
+    weights = Weights()
+    side = SamplerSide(config, policy, placement, problems_of(config, policy), weights,
+                       mu_source=run.mu_source, mu=sampler_mu(config))
+    return opened(config, experiment, placement, policy, run, meta, checkpointer, side, weights)
+
+
+def problems_of(config: OnlineConfig, policy: Policy) -> list[Any]:
+    """The prompt pool the rounds draw from (the serial loop's)."""
+    g, d = config.generate, config.data
+    return policy.task.load(split=g.split, num=d.num_prompts, seed=config.seed)
+
+
+def sampler_mu(config: OnlineConfig) -> Callable[[SamplerSide, list[Record]], Any]:
+    """The sampler side's μ step: the serial loop's `_mu`, its decision kept on the side."""
+
     def mu(side: SamplerSide, records: list[Record]) -> Any:
         state = loop._Run(0)
         state.mu_source = side.mu_source
@@ -300,9 +325,7 @@ def open_run(config: OnlineConfig) -> Opened:
         side.mu_source = state.mu_source
         return out
 
-    weights = Weights()
-    side = SamplerSide(config, policy, placement, problems, weights, mu_source=run.mu_source, mu=mu)
-    return Opened(config, experiment, placement, policy, run, meta, checkpointer, side, weights)
+    return mu
 
 
 def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
@@ -314,12 +337,28 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
     if config.online.pipeline == "free":
         raise ValueError("online.pipeline=free runs in online.free.run_free")
     opened = open_run(config)
+    run, side = opened.run, opened.side
+    assert side is not None
+    side.bar = progress_bar(total_rounds(config), desc="sampler", unit="round",
+                            enabled=progress, initial=run.round)
+    return train_rounds(opened, lambda: Feed(side, run.round, total_rounds(config), run.position,
+                                             overlap=config.online.pipeline != "off"),
+                        progress=progress, eval_hook=eval_hook, eval_every=eval_every)
+
+
+def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool,
+                 eval_hook: Any = None, eval_every: int = 0) -> Any:
+    """The trainer's side of the deterministic pipeline: update u trains on batch u from
+    `make_feed()` (rounds in order: `get()`, `next`, `waited`, `close()`), and θ_v is
+    published (`opened.publish`) right after the update that made it when a round samples
+    with it; rows and checkpoints as the serial loop's."""
+    config = opened.config
     o = config.online
-    policy, run, side, checkpointer = opened.policy, opened.run, opened.side, opened.checkpointer
+    policy, run, checkpointer = opened.policy, opened.run, opened.checkpointer
     total_updates = o.rounds * o.updates_per_round
-    total_rounds = o.rounds + math.ceil(o.staleness / o.updates_per_round)
+    last_round = total_rounds(config)
     pending: deque[list[Record]] = deque(run.queue.batches())
-    needed = {side.version(r) for r in range(run.round, total_rounds)}
+    needed = {version_of(config, r) for r in range(run.round, last_round)}
     syncs: list[float] = []
 
     def publish() -> None:
@@ -327,20 +366,18 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
             syncs.append(opened.publish())
 
     logger = opened.logger()
-    side.bar = progress_bar(total_rounds, desc="sampler", unit="round", enabled=progress,
-                            initial=run.round)
-    bar = progress_bar(total_updates, desc="trainer", unit="update", enabled=progress,
-                       initial=run.updates)
+    bar = progress_bar(total_updates, desc="trainer", unit="update",
+                       enabled=progress and jax.process_index() == 0, initial=run.updates)
     publish()
-    feed = Feed(side, run.round, total_rounds, run.position, overlap=o.pipeline != "off")
+    feed = make_feed()
     sampled: dict[int, Sampled] = {}
     last: dict[str, Any] = {}
     try:
-        while run.round < total_rounds:
+        while run.round < last_round:
             t_round = time.perf_counter()
             waited = feed.waited
             steps, lags, busy = [], [], 0.0
-            end = side.version(run.round + 1)
+            end = version_of(config, run.round + 1)
             while run.updates < end:
                 while not pending:
                     done = feed.get()
@@ -349,7 +386,7 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
                 t0 = time.perf_counter()
                 steps.append(policy.step(pending.popleft()))
                 busy += time.perf_counter() - t0
-                lags.append(run.updates - side.version(run.updates // o.updates_per_round))
+                lags.append(run.updates - version_of(config, run.updates // o.updates_per_round))
                 run.updates += 1
                 bar.update(1)
                 publish()
@@ -377,8 +414,10 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
             last = logger.log(run.round, metrics)
             syncs.clear()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round)
-            if checkpointer.should_save(run.round) or run.round == total_rounds:
+            saved = checkpointer.should_save(run.round) or run.round == last_round
+            if saved:
                 opened.save(list(pending))
+            opened.round_done(saved)
     finally:
         opened.close(feed, bar, logger)
     return opened.result(last)

@@ -26,6 +26,12 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
             f"online.pipeline=free bounds the lag with online.max_staleness, not "
             f"online.staleness={o.staleness} (no fixed queue): set online.staleness: 0 and "
             "online.max_staleness, or use online.pipeline: deterministic")
+    if o.exchange and (o.pipeline == "off" or o.sampler_devices):
+        raise ConfigError(
+            f"online.exchange={o.exchange} runs the sampler in worker processes: set "
+            "online.pipeline: deterministic (or free) and online.sampler_devices: 0 (now "
+            f"pipeline={o.pipeline}, sampler_devices={o.sampler_devices}), or unset "
+            "online.exchange")
     if o.pipeline != "off":
         if o.pipeline == "deterministic" and o.staleness < 1:
             raise ConfigError(
@@ -33,7 +39,7 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
                 "staleness 0 update u trains on the batch θ_u samples, so sampling cannot start "
                 "before update u−1 ends and nothing can overlap. Set online.staleness: 1 (or "
                 "more), or online.pipeline: off")
-        if o.sampler_devices < 1:
+        if o.sampler_devices < 1 and not o.exchange:
             raise ConfigError(
                 f"online.pipeline={o.pipeline} runs the sampler on its own devices: set "
                 f"online.sampler_devices to 1 … {len(devices) - 1} (of the {len(devices)} "
