@@ -55,7 +55,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {manifest.num_records} records to {out}")
         return 0
     from jaxrl_llm.generate.jax_backend import generate_records
+    from jaxrl_llm.weights.loading import check_fits_context, model_context
 
+    # No prompt fits (it has at least one token): refused before the weights load; the
+    # sampler checks the longest prompt + max_new_tokens once the prompts are tokenized.
+    check_fits_context(model_context(config.model), g.max_new_tokens + 1,
+                       what=f"generate.max_new_tokens={g.max_new_tokens} (+ a prompt)",
+                       fix="lower generate.max_new_tokens",
+                       random=config.model.source == "random")
     opened = open_model(None, config)
     model, tokenizer = opened.model, opened.tokenizer
     problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.data.stages import scored_directory, stage_input
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.policy.opener import open_model
-    from jaxrl_llm.train.preflight import check_all_records
+    from jaxrl_llm.train.preflight import check_all_records, check_records_fit_model
     from jaxrl_llm.train.score import score_records
     from jaxrl_llm.weights.loading import check_weights_found, decoder_config
 
@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     # data/stages.py: reads data.records, writes generate.score_output or <records>-scored.
     records = stage_input(config, "score", args.records)
     out = args.out or scored_directory(config, records)
-    # Every record, before any is scored: an id past the model's vocabulary embeds as NaN.
+    # Every record, before any is scored: an id past the model's vocabulary embeds as NaN,
+    # a row past the model's context is scored at positions it was never trained on.
+    check_records_fit_model(config, records)
     check_all_records(records, vocab_size)
     model = open_model(None, config, mesh=mesh, with_tokenizer=False).model  # already sharded
     metrics = score_records(model, records, out, temperature=args.temperature,

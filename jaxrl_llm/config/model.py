@@ -51,8 +51,8 @@ class ModelConfig(Section):
     rope_theta: float = Field(10_000.0, gt=0)  # random models: RoPE base
     rope_scaling: dict[str, Any] | None = Field(
         None, description="RoPE scaling as a HF config.json's rope_scaling ({rope_type: linear "
-        "| llama3 | yarn, factor, ...}); random models: theirs; hf/gguf sources: replaces the "
-        "file's, as Qwen3's model card enables YaRN past 32,768 tokens ({rope_type: yarn, "
+        "| llama3 | yarn, factor, ...}); random models: theirs; hf/gguf sources (and vLLM's "
+        "engine, as hf_overrides): replaces the file's, as Qwen3's model card enables YaRN past 32,768 tokens ({rope_type: yarn, "
         "factor: 4.0, original_max_position_embeddings: 32768}); null: the file's (none for "
         "random models)")
     rms_norm_eps: float = Field(1e-6, gt=0)  # random models: RMSNorm epsilon

@@ -56,7 +56,8 @@ class TrainConfig(Section):
     # split each step into micro-batches of this many rows (gradients accumulated: the same update);
     # null = one; picked automatically when the step would not fit
     micro_batch_size: int | None = Field(None, gt=0)
-    # tokens per row (prompt + completion); a longer record is an error (data.too_long)
+    # tokens per row (prompt + completion); a longer record is an error (data.too_long); at
+    # most the model's max_position_embeddings (after model.rope_scaling)
     max_seq_len: int = Field(512, gt=0)
     log_every: int = Field(10, gt=0)  # a metrics row every this many steps
     # an Orbax checkpoint every this many steps (and at the end)

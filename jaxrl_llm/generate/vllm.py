@@ -20,7 +20,12 @@ What the engine is asked for, and why:
 - **Log-probs** (`logprobs_mode`): `processed_logprobs` (default) are after temperature and
   top-k/top-p, the distribution the tokens were drawn from, stored as `behavior_logprobs`;
   `raw_logprobs` are the unprocessed model's (T = 1), stored as `raw_logprobs`.
-Every setting goes into the manifest (`sampling.engine`, `sampling.dtype`, `extra`).
+- **RoPE scaling** (`model.rope_scaling`, e.g. Qwen3's YaRN past 32,768): the checkpoint's
+  config.json is overridden in the engine as in the trainer (`weights.loading.file_overrides`:
+  the scaling replaces the file's, YaRN's context becomes factor × original), through vLLM's
+  `hf_overrides` (`rope_hf_overrides`); the file itself is never edited.
+Every setting goes into the manifest (`sampling.engine`, `sampling.dtype`, `extra`; the
+RoPE override as `extra.vllm_hf_overrides`, {} when the checkpoint's own RoPE was used).
 
 Records are written chunk by chunk (`data/chunked.py`): a killed run leaves no manifest, and
 the same command resumes after the last complete chunk.
@@ -28,6 +33,7 @@ the same command resumes after the last complete chunk.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -134,6 +140,42 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.9
     kv_cache_gib: int = 1
     enforce_eager: bool = False
+    # config.json keys replaced in the engine (`rope_hf_overrides`); None: the file's own
+    hf_overrides: dict[str, Any] | None = None
+
+
+def rope_hf_overrides(model_config: Any) -> dict[str, Any]:
+    """The config.json keys `model.rope_scaling` replaces, as the trainer's loader replaces
+    them (`file_overrides`): {"rope_scaling": ..., and for YaRN "max_position_embeddings":
+    factor × original}; {} when `model.rope_scaling` is unset."""
+    if getattr(model_config, "rope_scaling", None) is None:
+        return {}
+    from jaxrl_llm.weights.loading import file_overrides  # JAX only when a scaling is set
+
+    overrides = file_overrides(model_config)
+    return {k: overrides[k] for k in ("rope_scaling", "max_position_embeddings") if k in overrides}
+
+
+def apply_hf_overrides(overrides: dict[str, Any], hf_config: Any) -> Any:
+    """vLLM's `hf_overrides` callable: put `overrides` (`rope_hf_overrides`) into the loaded
+    transformers config, before vLLM standardises its RoPE parameters.
+
+    Not vLLM's dict form: that sets `rope_scaling` after the standardisation, and in
+    transformers 5 `rope_scaling` is an alias of `rope_parameters`, which also holds
+    `rope_theta`, so the file's θ would be lost (vLLM's Qwen3 then assumes 1e6)."""
+    text = hf_config.get_text_config()
+    scaling = dict(overrides["rope_scaling"])
+    if hasattr(text, "rope_parameters"):  # transformers 5: θ lives among the RoPE parameters
+        old = dict(getattr(text, "rope_parameters", None) or {})
+        if getattr(text, "rope_theta", None) is not None:
+            old.setdefault("rope_theta", text.rope_theta)
+        kept = {k: old[k] for k in ("rope_theta", "partial_rotary_factor") if k in old}
+        text.rope_parameters = {**kept, **scaling}
+    else:
+        text.rope_scaling = scaling
+    if "max_position_embeddings" in overrides:
+        text.max_position_embeddings = int(overrides["max_position_embeddings"])
+    return hf_config
 
 
 class VllmEngine:
@@ -145,11 +187,15 @@ class VllmEngine:
         self.environment = apply_environment(self.install, kv_cache_gib=settings.kv_cache_gib,
                                              tensor_parallel_size=settings.tensor_parallel_size)
         limits = model_limits(settings.model)
-        longest = limits["max_position_embeddings"]
+        overrides = settings.hf_overrides or {}
+        longest = overrides.get("max_position_embeddings", limits["max_position_embeddings"])
         if longest is not None and settings.max_model_len > longest:
+            after = " (after model.rope_scaling)" if overrides else ""
             raise ConfigError(f"vLLM max_model_len {settings.max_model_len} (longest prompt + "
                               f"generate.max_new_tokens) exceeds {settings.model}'s "
-                              f"max_position_embeddings {longest}: lower generate.max_new_tokens")
+                              f"max_position_embeddings {longest}{after}: lower "
+                              "generate.max_new_tokens, or extend the context with "
+                              "model.rope_scaling")
         self.settings = settings
         from vllm import LLM
 
@@ -162,6 +208,8 @@ class VllmEngine:
             max_num_batched_tokens=max(settings.max_model_len, 2048),
             worker_extension_cls="jaxrl_llm.generate.vllm_worker.PolicyReload",
         )
+        if overrides:
+            engine["hf_overrides"] = functools.partial(apply_hf_overrides, overrides)
         if not self.install.on_cpu:
             engine["gpu_memory_utilization"] = settings.gpu_memory_utilization
         try:
@@ -219,7 +267,8 @@ def engine_settings(config: Any, model: str, *, max_model_len: int, on_cpu: bool
                           tensor_parallel_size=g.tensor_parallel_size,
                           gpu_memory_utilization=g.gpu_memory_utilization,
                           kv_cache_gib=g.vllm_kv_cache_gib,
-                          enforce_eager=on_cpu)  # torch.compile start-up costs minutes on a CPU
+                          enforce_eager=on_cpu,  # torch.compile start-up costs minutes on a CPU
+                          hf_overrides=rope_hf_overrides(config.model) or None)
 
 
 def needed_model_len(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
@@ -279,7 +328,8 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
                    "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
                    "max_new_tokens": g.max_new_tokens, "stop_at_eos": g.stop_at_eos,
                    "dtype": settings.dtype, "logprobs_mode": settings.logprobs_mode,
-                   "chunk_prompts": chunk, "engine": str(install)}
+                   "chunk_prompts": chunk, "engine": str(install),
+                   **({"hf_overrides": settings.hf_overrides} if settings.hf_overrides else {})}
     writer = ChunkedRecordWriter(
         out, num_chunks=len(chunks), fingerprint=fingerprint, overwrite=overwrite,
         tokenizer=str(model), model=str(model), task=task.name, reward_fn=task.reward_fn,
@@ -316,7 +366,8 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
             engine.close()
     return writer.finish(
         vllm_logprobs_mode=settings.logprobs_mode, max_model_len=settings.max_model_len,
-        enforce_eager=settings.enforce_eager, seeding="per prompt: SeedSequence([seed, index])",
+        enforce_eager=settings.enforce_eager, vllm_hf_overrides=settings.hf_overrides or {},
+        seeding="per prompt: SeedSequence([seed, index])",
         vllm_environment=env, task_metrics=task.metrics(),
         **sampler_logprob_info(backend="vllm", temperature=g.temperature, top_k=g.top_k,
                                top_p=g.top_p, logprobs_mode=settings.logprobs_mode))

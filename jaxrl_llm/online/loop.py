@@ -54,6 +54,7 @@ from jaxrl_llm.online.rounds import (
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxrl_llm.train.metrics_log import MetricsLogger
 from jaxrl_llm.train.preemption import StopSync
+from jaxrl_llm.train.preflight import check_rows_fit_model
 from jaxrl_llm.train.state_items import state_items
 
 ONLINE_META = "online"
@@ -105,6 +106,7 @@ def check_config(config: OnlineConfig) -> None:
         raise ConfigError("online.mu_source=sampler needs untruncated sampling (generate.top_k=0, "
                           "top_p=1, temperature>0): the sampler's log-probs are otherwise not "
                           "the policy's; use trainer or auto")
+    check_rows_fit_model(config)  # train.max_seq_len within the model's context
 
 
 def untruncated(config: ExperimentConfig) -> bool:

@@ -38,6 +38,7 @@ from jaxrl_llm.plan.report import (  # noqa: F401  (re-exported: `plan.GIB`, `pl
     PlanReport,
     format_report,
 )
+from jaxrl_llm.train.preflight import check_rows_fit_model
 from jaxrl_llm.train.state import abstract_train_state, count_params
 from jaxrl_llm.train.step import make_train_step
 from jaxrl_llm.weights.loading import decoder_config
@@ -248,6 +249,7 @@ def _array_infos(state: Any) -> tuple[list[ArrayInfo], dict[str, int]]:
 
 def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     """Lower and compile the config's train step on abstract inputs; see the module doc."""
+    check_rows_fit_model(config)  # a row past the model's context, before building anything
     devices, topology, note = select_devices(config)
     # "auto" dtypes resolve for the target's platform, not this CPU's.
     model = config.model.model_copy(update={

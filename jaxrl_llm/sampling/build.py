@@ -87,6 +87,14 @@ def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]
             f"prompt {index} has {longest} tokens, more than the model's context of {context} "
             "(model.max_position_embeddings); prompts are never truncated: use shorter prompts "
             "(e.g. data.task_options: {num_shots: 0}) or a model with a longer context")
+    if context is not None and longest + max_new_tokens > context:
+        tokens = key.split(".")[0] + ".max_new_tokens"  # generate.* or eval.*
+        raise ConfigError(
+            f"the longest prompt ({longest} tokens) + {tokens}={max_new_tokens} is "
+            f"{longest + max_new_tokens} positions, more than the model's context of {context} "
+            f"(max_position_embeddings, after model.rope_scaling): lower {tokens} to at most "
+            f"{context - longest}, or extend the context with model.rope_scaling (random "
+            "models: model.max_position_embeddings)")
     prompt_len = default_bucket(max(map(len, prompt_ids), default=1))
     fitted = fit_sampler_batch(model, batch_size=batch_size, n=n, prompt_len=prompt_len,
                                max_new_tokens=max_new_tokens, key=key, say=say)

@@ -26,6 +26,7 @@ from jaxrl_llm.data.records import validate_record
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import MANIFEST_NAME, Manifest, RecordSource, read_manifest
 from jaxrl_llm.train.score import REF_TEMPERATURE
+from jaxrl_llm.weights.loading import check_fits_context, model_context
 
 
 def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> ExperimentConfig:
@@ -145,6 +146,32 @@ def check_all_records(directory: str | epath.PathLike, vocab_size: int | None,
             if vocab_size is not None:
                 validate_record(record, where=f"{source.where(i)} (model vocabulary)",
                                 vocab_size=vocab_size)
+
+
+def check_rows_fit_model(config: ExperimentConfig, model: object | None = None) -> None:
+    """`train.max_seq_len` within the model's context (max_position_embeddings after
+    `model.rope_scaling`): RoPE past it is a position the model never saw. `model`: the policy
+    when one is given (else `config.model`'s, read without weights)."""
+    given = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    context = model_context(config.model) if model is None else (
+        None if given is None else (given, "the given model's config"))
+    t = config.train.max_seq_len
+    check_fits_context(context, t, what=f"train.max_seq_len={t}", fix="lower train.max_seq_len",
+                       random=model is None and config.model.source == "random")
+
+
+def check_records_fit_model(config: ExperimentConfig, directory: str | epath.PathLike) -> None:
+    """Every record's row (prompt + completion − 1 input tokens) within `config.model`'s
+    context, from the shards' length files (no record decoded, no weights read)."""
+    source = RecordSource(directory)
+    if not len(source):
+        return
+    rows = source.lengths().sum(axis=1) - 1
+    i = int(rows.argmax())
+    check_fits_context(model_context(config.model), int(rows[i]),
+                       what=f"record {source.where(i)} (a row of {int(rows[i])} tokens, the "
+                       "longest)", fix="score with the model and model.rope_scaling that "
+                       "sampled these records", random=config.model.source == "random")
 
 
 def check_batch_divides(config: ExperimentConfig, mesh: object) -> None:

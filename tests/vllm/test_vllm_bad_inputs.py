@@ -41,6 +41,15 @@ def test_generation_longer_than_the_models_context(tmp_path, tiny_hf) -> None:
     assert not (tmp_path / "data" / "records" / "manifest.json").exists()
 
 
+def test_generation_longer_than_the_rope_scaled_context(tmp_path, tiny_hf) -> None:
+    """model.rope_scaling replaces the file's 256 positions: YaRN 2 × 32 = 64 (computed here)
+    is the context vLLM would get, and 100 new tokens exceed it."""
+    yarn = "model.rope_scaling={rope_type: yarn, factor: 2.0, original_max_position_embeddings: 32}"
+    refused(generate(tmp_path, tiny_hf, 100, yarn),
+            "max_position_embeddings 64 (after model.rope_scaling)", "generate.max_new_tokens")
+    assert not (tmp_path / "data" / "records" / "manifest.json").exists()
+
+
 def test_model_directory_without_weights(tmp_path, tiny_hf) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(tiny_hf, broken)
