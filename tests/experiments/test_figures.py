@@ -40,7 +40,6 @@ PENDING = {
     "pkpo_online_lr5e-4.png": _BEFORE.format("2026-11-26"),
     "staleness.png": _BEFORE.format("2026-11-26"),
     "staleness_lr1e-4_cpu.png": _BEFORE.format("2026-11-26"),
-    "testbed_bar.png": _BEFORE.format("2026-11-26"),
     "topr_baseline.png": _BEFORE.format("2026-11-24"),
     "topr_baseline_quickstart.png": _BEFORE.format("2026-11-26"),
     "topr_baseline_quickstart_lr_per_loss.png": _BEFORE.format("2026-11-26"),
@@ -84,19 +83,37 @@ def numeric_lists(obj) -> list[np.ndarray]:
     return []
 
 
-def drawn_series(fig) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """(legend label, x, y) of every labelled line and error-bar series the figure drew."""
+def categorical_ticks(ax) -> np.ndarray | None:
+    """The x tick positions where the axis names categories (text labels, not numbers)."""
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    try:
+        [float(t.replace("\u2212", "-")) for t in labels if t]
+        return None
+    except ValueError:
+        return np.asarray(ax.get_xticks(), np.float64)
+
+
+def drawn_series(fig) -> list[tuple[str, np.ndarray | None, np.ndarray]]:
+    """(legend label, x, y) of every labelled line and error-bar series the figure drew; x is
+    None where the points sit beside named categories (a method per tick), not on data."""
+    def x_of(line, ticks: np.ndarray | None) -> np.ndarray | None:
+        x = np.asarray(line.get_xdata(), np.float64)
+        if ticks is not None and np.all(np.abs(x[:, None] - ticks[None]).min(1) < 0.5):
+            return None
+        return x
+
     out = []
     for ax in fig.axes:
+        ticks = categorical_ticks(ax)
         for line in ax.get_lines():
             if not line.get_label().startswith("_") and len(line.get_xdata()) >= 2:
-                out.append((line.get_label(), np.asarray(line.get_xdata(), np.float64),
-                            np.asarray(line.get_ydata(), np.float64)))
+                out.append((line.get_label(), x_of(line, ticks), np.asarray(line.get_ydata(),
+                                                                     np.float64)))
         for c in ax.containers:
             if type(c).__name__ == "ErrorbarContainer" and not c.get_label().startswith("_"):
                 line = c.lines[0]
-                out.append((c.get_label(), np.asarray(line.get_xdata(), np.float64),
-                            np.asarray(line.get_ydata(), np.float64)))
+                out.append((c.get_label(), x_of(line, ticks), np.asarray(line.get_ydata(),
+                                                                  np.float64)))
     return out
 
 
@@ -148,6 +165,8 @@ def check_drawn_from(results: dict, fig) -> None:
         if np.all(y == y[0]) and float(y[0]) in scalars:  # a horizontal reference line (axhline)
             continue
         for name, values in (("y", y), ("x", x)):
+            if values is None:  # points beside named categories: only y is data
+                continue
             # a series of the results, or (a panel that gathers one number per cell, such as
             # the staleness plot's final pass@1 per s) every point a number of the results
             assert any(a.shape == values.shape and np.array_equal(a, values) for a in lists) \
