@@ -21,6 +21,10 @@ rollout stays on the clock). Per run also: updates done, samples received / trai
 the version-lag histogram of the trained samples and each side's busy / waiting seconds, from
 the loop's metric rows (docs/online.md § Pipeline).
 
+Runs go seed-major, serial first in each (loss, seed): the process caches the compiled train
+step by config, seed included (`train.trainer.cached_train_step`), so that serial run compiles
+it and the free runs after it reuse it; compare the clocks from the first probe on (README).
+
     python experiments/free_running.py --out runs/experiments/free_running [--smoke]
         [--seeds 0 1] [--deadline-min M]
 """
