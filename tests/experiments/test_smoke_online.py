@@ -119,3 +119,46 @@ def test_testbed_bar_smoke(tmp_path):
         assert entry["se_seeds"] == pytest.approx(statistics.stdev(by_seed) / len(by_seed) ** 0.5)
         assert entry["se_questions_paired"] == pytest.approx(statistics.stdev(d) / len(d) ** 0.5)
         assert entry["lr"] == cfg["methods"][method]["lr"]
+
+
+@pytest.mark.slow
+def test_free_running_smoke(tmp_path):
+    """experiments/free_running.py: every (loss, arm, seed) ran its updates, probed at each
+    `eval_every` on a clock that only moves forward; the serial run trains every sample at lag
+    0, a free run none beyond its max_staleness, and every run's samples add up (trained =
+    updates × batch, received ≥ trained + dropped); the summary's final pass@1 is the mean of
+    the per-seed values (recomputed here)."""
+    import statistics
+
+    out = run_smoke("free_running.py", tmp_path)
+    assert (out / "free_running.png").stat().st_size > 1000
+    results = json.loads((out / "results.json").read_text())
+    assert all(math.isfinite(x) for x in numbers(results))
+    cfg = smoke_config("free_running")
+    batch = cfg["prompts_per_round"] * cfg["n"] // cfg["updates_per_round"]
+    probes = list(range(cfg["eval_every"], cfg["updates"] + 1, cfg["eval_every"]))
+    assert results["config"]["seeds"] == cfg["seeds"]
+    assert sorted(results["methods"]) == sorted(cfg["methods"])
+    for method, arms in results["methods"].items():
+        assert list(arms) == ["serial", *(f"free-{s}" for s in cfg["max_staleness"])]
+        for arm, entry in arms.items():
+            assert entry["updates"] == [0, *probes], (method, arm)
+            assert entry["pass_at_1"]["mean"][0] == results["start"]["pass_at_1"]
+            assert sorted(entry["runs"]) == [str(s) for s in cfg["seeds"]]
+            finals = []
+            for run in entry["runs"].values():
+                rows = run["rows"]
+                assert [r["updates"] for r in rows] == probes
+                for key in ("wall_s", "cpu_s"):
+                    clock = [0.0, *(r[key] for r in rows), run["end"][key]]
+                    assert all(a < b for a, b in zip(clock, clock[1:])), (method, arm, key)
+                samples = run["samples"]
+                assert samples["trained"] == cfg["updates"] * batch
+                assert samples["received"] >= samples["trained"] + samples["dropped"]
+                assert sum(run["lag_hist"].values()) == samples["trained"]
+                bound = 0 if arm == "serial" else int(arm.split("-")[1])
+                assert max(int(lag) for lag in run["lag_hist"]) <= bound, (method, arm)
+                if arm == "serial":
+                    assert samples["dropped"] == 0
+                finals.append(rows[-1]["pass_at_1"])
+            assert entry["final_pass_at_1"]["mean"] == pytest.approx(statistics.fmean(finals))
