@@ -1,5 +1,5 @@
 """Free-running pipeline against the serial loop on the quickstart testbed: test pass@1 against
-wall-clock seconds, process CPU seconds and updates (issue 43's "Quality" measurement).
+wall-clock seconds, process CPU seconds and updates.
 
 Per loss (TOPR, GRPO) and seed, from the quickstart's SFT-warmed policy μ, in one process on
 two CPU devices (`--xla_force_host_platform_device_count=2`, set here before JAX starts):
