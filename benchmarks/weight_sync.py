@@ -10,7 +10,11 @@ A sync is the hand-over of the trainer's newest weights to the sampler:
   Orbax (`train.checkpoint.Checkpointer`: a step committed atomically, old steps
   garbage-collected), read with a restore onto the sampler's shardings; and the HF safetensors
   export (`weights.hf_export.save_pretrained` into `core.atomic.atomic_directory`: what vLLM
-  reloads), read with `weights.hf.load_pretrained` straight onto the sampler's mesh.
+  reloads), read with `weights.hf.load_pretrained` straight onto the sampler's mesh;
+- **exchange** (what `jaxrl-llm online --role trainer / --role worker` do, online/remote.py):
+  the trainer's own `StorageTrainer.publish` (gather to the host, one `weights/vNNNNNNNN.bin`
+  blob written atomically with its SHA-256) and a worker's own `StoredWeights.take` (read,
+  size and checksum checked, arrays checked against its model, put on its devices).
 
 6 fake CPU devices (4 train, 2 sample: every dimension of these models splits evenly) on this
 host; storage is its local disk, read right after writing (page cache warm: a second host
@@ -22,7 +26,8 @@ Llama-3-8B (16 GB in bfloat16) rows are an **extrapolation** from the bytes per 
 measured on the largest model, labelled so.
 
     python benchmarks/weight_sync.py [--models smollm2 qwen25_05b qwen25_15b_10l] [--repeats 3]
-        [--dtype bfloat16] [--dir /tmp] [--smoke] [--out benchmarks/results/weight_sync.json]
+        [--dtype bfloat16] [--dir /tmp] [--smoke] [--note TEXT]
+        [--out benchmarks/results/weight_sync.json]
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ LABELS = {"smollm2": "SmolLM2-135M (real)", "qwen25_05b": "Qwen2.5-0.5B shape (r
           "tiny": "tiny (random)", "qwen25_15b": "Qwen2.5-1.5B shape (extrapolated)",
           "llama3_8b": "Llama-3-8B shape (extrapolated)"}
 EXTRAPOLATED = {"qwen25_15b": {**QWEN25, **QWEN25_15B}, "llama3_8b": LLAMA3_8B}
-PATHS = ("in_memory", "orbax", "safetensors")
+PATHS = ("in_memory", "orbax", "safetensors", "exchange")
 
 
 def _config(model: dict[str, Any], dtype: str) -> Any:
@@ -148,6 +153,39 @@ def trainer_weights(name: str, dtype: str) -> tuple[Any, Any, Any, Any]:
     return placement, nnx.merge(graphdef, params, rest), params, rest
 
 
+def exchange_sides(name: str, dtype: str, placement: Any, params: Any, rest: Any,
+                   root: Path) -> tuple[Any, Any]:
+    """(trainer, worker weights): the storage pipeline's own two sides (online/remote.py) over
+    an exchange at `root`, the trainer holding `params`/`rest`; the worker's side is built from
+    their shapes alone (a second host holds no copy of the trainer's)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.api import Policy
+    from jaxrl_llm.online import loop
+    from jaxrl_llm.online.exchange import Exchange
+    from jaxrl_llm.online.pipeline import SamplerSide
+    from jaxrl_llm.online.remote import StorageTrainer, StoredWeights
+    from jaxrl_llm.train.state import TrainState
+
+    config = _config(MODELS[name], dtype)
+    ex, identity = Exchange(str(root), timeout_s=60.0), {"model": name}
+
+    def policy(p: Any, r: Any) -> Any:  # no optimizer state: publish reads params, model_state
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=None,
+                           model_state=r, ref_params=None, rng=None, graphdef=None,
+                           param_dtypes=())
+        return Policy(config, state, None, placement.trainer)
+    trainer = StorageTrainer(config=config, experiment=None, placement=placement,
+                             policy=policy(params, rest), run=loop._Run(0), meta={},
+                             checkpointer=None, side=None, weights=None, ex=ex,
+                             identity=identity, incarnation="benchmark")
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, rest))
+    side = SamplerSide(config, policy(*shapes), placement, [], None,  # type: ignore[arg-type]
+                       mu_source=None, mu=None)  # type: ignore[arg-type]
+    return trainer, StoredWeights(ex, side, identity)
+
+
 def measure(name: str, path: str, dtype: str, repeats: int, directory: Path) -> dict[str, Any]:
     """One model size and one sync path, in this process (6 CPU devices). Storage: the
     trainer side writes every version, then drops its weights; the sampler side loads each
@@ -180,9 +218,16 @@ def measure(name: str, path: str, dtype: str, repeats: int, directory: Path) -> 
         root = directory / f"{name}-{path}"
         target = abstract_like(params, state_shardings(params, placement.sampler))
         ckpt = Checkpointer(root, save_every=1, keep=repeats + 1, async_save=False)
+        trainer: Any = None
+        worker: Any = None
+        if path == "exchange":
+            trainer, worker = exchange_sides(name, dtype, placement, params, rest, root)
 
         def save(i: int) -> None:
-            if path == "orbax":
+            if path == "exchange":  # version i + 1: the trainer's publish after update i + 1
+                trainer.run.updates = i + 1
+                trainer.publish()
+            elif path == "orbax":
                 ckpt.save(i + 1, {"params": params}, force=True)
                 ckpt.wait()
             else:
@@ -190,14 +235,16 @@ def measure(name: str, path: str, dtype: str, repeats: int, directory: Path) -> 
                     save_pretrained(model, tmp)
 
         def load(i: int) -> Any:
-            if path == "orbax":
+            if path == "exchange":
+                out = worker.take(i + 1)[0]  # (params, model state) on the sampler's devices
+            elif path == "orbax":
                 out = ckpt.restore({"params": target}, step=i + 1).state["params"]
             else:
                 out = split_model(load_pretrained(root / f"v{i}", mesh=placement.sampler,
                                                   scan_layers=True))[1]
             return jax.block_until_ready(out)
         save_s = _timed(save, repeats)
-        del model, params, rest  # the trainer's side ends here
+        del model, params, rest, trainer  # the trainer's side ends here (its policy held them)
         gc.collect()
         loaded: list[Any] = []
 
@@ -247,11 +294,12 @@ def extrapolate(name: str, largest: dict[str, Any], dtype: str) -> dict[str, Any
 
 def table(result: dict[str, Any]) -> str:
     lines = ["| model | parameters | bytes | in memory | GB/s | Orbax: save + load | GB/s | "
-             "safetensors: save + load | GB/s | storage ÷ in memory (Orbax / safetensors) | "
-             "peak RSS |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "safetensors: save + load | GB/s | exchange: publish + take | GB/s | "
+             "storage ÷ in memory (Orbax / safetensors / exchange) | peak RSS |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
+             "| ---: |"]
     for row in result["rows"] + result["extrapolated"]:
-        mem, orb, st = (row[p] for p in PATHS)
+        mem, orb, st, ex = (row[p] for p in PATHS)
 
         def split(r: dict[str, Any]) -> str:
             if "save_median_s" not in r:
@@ -263,9 +311,10 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['label']} | {row['params'] / 1e6:,.0f} M | {row['bytes'] / 1e9:.2f} GB | "
             f"{mem['sync_median_s']:.3f} s | {mem['gb_per_s']:.2f} | {split(orb)} | "
-            f"{orb['gb_per_s']:.2f} | {split(st)} | {st['gb_per_s']:.2f} | "
-            f"{orb['sync_median_s'] / mem['sync_median_s']:.0f}× / "
-            f"{st['sync_median_s'] / mem['sync_median_s']:.0f}× | {peak} |")
+            f"{orb['gb_per_s']:.2f} | {split(st)} | {st['gb_per_s']:.2f} | {split(ex)} | "
+            f"{ex['gb_per_s']:.2f} | "
+            + " / ".join(f"{r['sync_median_s'] / mem['sync_median_s']:.0f}×"
+                         for r in (orb, st, ex)) + f" | {peak} |")
     return "\n".join(lines) + "\n"
 
 
@@ -278,6 +327,8 @@ def main() -> int:
     parser.add_argument("--dir", default=tempfile.gettempdir(),
                         help="where the storage syncs write (a local disk here)")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, 1 repeat")
+    parser.add_argument("--note", default="", help="the run's conditions (other jobs on the "
+                        "host), recorded in the result's `machine`")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/weight_sync.json"))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child: measure this model …
     parser.add_argument("--path", choices=PATHS, help=argparse.SUPPRESS)  # … by this path
@@ -312,7 +363,9 @@ def main() -> int:
         "benchmark": "seconds per weight sync, trainer (4 CPU devices, fsdp 4) → sampler "
                      "(2 CPU devices, fsdp 2): in memory (Placement.publish, a resharding "
                      "device_put) and through local storage (atomic Orbax step / atomic HF "
-                     "safetensors directory, then loaded onto the sampler's devices; a sync = "
+                     "safetensors directory / the online exchange's weight blob written by "
+                     "StorageTrainer.publish and read by StoredWeights.take, then loaded onto "
+                     "the sampler's devices; a sync = "
                      "median save + median load); medians of "
                      f"{args.repeats} after one warm-up; each path of each model in its own "
                      "process; every sync checked bit-equal to the trainer's weights",
@@ -320,7 +373,7 @@ def main() -> int:
                     "fake_devices": TRAINER_DEVICES + SAMPLER_DEVICES,
                     "storage": "local disk, read right after the write (page cache warm)",
                     "load_average_before": list(load_before),
-                    "load_average_after": list(os.getloadavg())},
+                    "load_average_after": list(os.getloadavg()), "note": args.note},
         "repeats": args.repeats,
         "rows": rows,
         "extrapolated": [extrapolate(name, largest, args.dtype) for name in EXTRAPOLATED],

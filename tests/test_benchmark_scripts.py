@@ -74,15 +74,15 @@ def test_online_vs_iterate_smoke_times_both_commands(tmp_path: Path) -> None:
     assert {"generate", "score", "train"} <= set(result["iterate_stage_seconds"])
 
 
-@pytest.mark.slow  # three child processes, each importing jax
+@pytest.mark.slow  # four child processes, each importing jax
 def test_weight_sync_smoke_checks_every_path_and_labels_the_8b_extrapolation(tmp_path: Path) -> None:
     _run(tmp_path, str(ROOT / "benchmarks" / "weight_sync.py"), "--smoke", "--out", "ws.json")
     result = json.loads((tmp_path / "ws.json").read_text())
     (row,) = result["rows"]
-    for path in ("in_memory", "orbax", "safetensors"):
+    for path in ("in_memory", "orbax", "safetensors", "exchange"):
         assert row[path]["equal"] is True, path  # the sampler got the trainer's bytes
         assert row[path]["sync_median_s"] > 0
-    for path in ("orbax", "safetensors"):  # a storage sync is one save and one load
+    for path in ("orbax", "safetensors", "exchange"):  # a storage sync: one save, one load
         assert row[path]["sync_median_s"] == pytest.approx(
             row[path]["save_median_s"] + row[path]["load_median_s"])
     qwen, big = result["extrapolated"]
