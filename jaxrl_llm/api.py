@@ -175,7 +175,8 @@ class Policy:
         # n, lengths and prompts; the compiled programs are shared (module-level jits).
         sampler = build_sampler(self.model, self.tokenizer, ids, batch_size=g.batch_size,
                                 n=params.n, max_new_tokens=params.max_new_tokens,
-                                key="generate.batch_size", say=self._say_once)
+                                key="generate.batch_size", say=self._say_once,
+                                **self.config.generate.sampler_options())
         out = sampler.generate(ids, params, jax.random.key(seed))
         lengths = [int(x) for x in out.lengths]
         return Samples(
@@ -276,7 +277,8 @@ class Policy:
             max_new_tokens=e.max_new_tokens or g.max_new_tokens,
             batch_size=e.batch_size or g.batch_size, seed=e.seed if seed is None else seed,
             maj_k=e.maj_k, trials=e.bootstrap_trials,
-            chat_template=self.config.data.chat_template, progress=False)
+            chat_template=self.config.data.chat_template, progress=False,
+            sampler=self.config.generate.sampler_options())
         return summary
 
     def save(self, directory: str | None = None, *, meta: Mapping[str, Any] | None = None) -> str:

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=e.maj_k,
         trials=e.bootstrap_trials, verifier=verifier,
         verifications=args.verifications or e.verifications, chat_template=config.data.chat_template,
+        sampler=config.generate.sampler_options(),
     )
     summary.update(info, split=e.split, label=args.label or as_path(info["model"]).name)
     out = write_eval(args.out or as_path(config.run_dir) / "eval", summary, graded, problems)

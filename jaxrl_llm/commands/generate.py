@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=g.top_p, max_new_tokens=g.max_new_tokens, batch_size=g.batch_size, seed=config.seed,
         stop_at_eos=g.stop_at_eos, records_per_shard=g.records_per_shard,
         model_name=config.model.path or config.model.source, overwrite=args.overwrite,
-        chat_template=d.chat_template,
+        chat_template=d.chat_template, sampler=config.generate.sampler_options(),
     )
     print(f"wrote {manifest.num_records} records ({manifest.num_correct} correct, "
           f"{manifest.num_invalid} invalid) to {out}")

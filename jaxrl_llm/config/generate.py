@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     Field,
@@ -24,6 +24,13 @@ class GenerateConfig(Section):
     max_new_tokens: int = Field(512, gt=0)  # longest completion
     # prompts per sampler batch (fewer when the KV cache would not fit)
     batch_size: int = Field(32, gt=0)
+    # the JAX sampler (generate, evaluate, the API, online): continuous = batch_size × n decode
+    # slots refilled as samples end, each prompt's KV cache shared by its n samples
+    # (sampling/continuous.py); static = fixed prompt batches (sampling/sampler.py)
+    batching: Literal["continuous", "static"] = "continuous"
+    # continuous batching: prompt tokens prefilled per decode step while the other slots
+    # decode (null: a whole prompt at once; the prompt width is rounded up to a multiple)
+    prefill_chunk: int | None = Field(64, gt=0)
     split: str = "train"  # task split to sample prompts from
     output: RunPath | None = Field(None, description="record directory generate writes (local or gs://); default: data.records")
     records_per_shard: int = Field(10_000, gt=0)  # records per ArrayRecord shard
@@ -48,3 +55,7 @@ class GenerateConfig(Section):
     max_mismatch: float | None = Field(None, gt=0)
     # score: leave sequences over generate.max_mismatch out instead of flagging them
     drop_mismatched: bool = False
+
+    def sampler_options(self) -> dict[str, Any]:
+        """`sampling.build.build_sampler`'s batching keywords from this section."""
+        return dict(batching=self.batching, prefill_chunk=self.prefill_chunk)

@@ -42,7 +42,8 @@ def make_eval_hook(config: Any, tokenizer: Any) -> Callable[[int, Any], Mapping[
             temperature=g.temperature if e.temperature is None else e.temperature,
             max_new_tokens=e.max_new_tokens or g.max_new_tokens,
             batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=(1,), trials=2,
-            chat_template=config.data.chat_template, progress=False)
+            chat_template=config.data.chat_template, progress=False,
+            sampler=config.generate.sampler_options())
         top = max(summary["pass_at_k"], key=int)
         return {"pass_at_1": summary["pass_at_1"]["mean"], "pass_at_1_se": summary["pass_at_1"]["se"],
                 f"pass_at_{top}": summary["pass_at_k"][top],

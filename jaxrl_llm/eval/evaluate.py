@@ -8,7 +8,7 @@ sampler's compiled program across evaluations of models of the same shape.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,9 +56,11 @@ def sample_and_grade(
     model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     chat_template: bool | None = False, progress: bool = True,
+    sampler: Mapping[str, Any] | None = None,
 ) -> Graded:
     """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
     counts the questions and shows the decode step within a batch (`jaxrl_llm/core/progress.py`);
+    `sampler`: `build_sampler`'s batching keywords (`GenerateConfig.sampler_options`);
     Ctrl-C or SIGTERM stops after the current decode segment, before anything is written."""
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n,
@@ -67,7 +69,7 @@ def sample_and_grade(
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     sampler = build_sampler(model, tokenizer, prompt_ids, batch_size=batch_size, n=n,
                             max_new_tokens=max_new_tokens, key="eval.batch_size",
-                            segment_s=SEGMENT_S)
+                            segment_s=SEGMENT_S, **(sampler or {}))
     bar = progress_bar(len(problems), desc=f"evaluate {getattr(task, 'name', '')}".strip(),
                        unit="question", enabled=progress and jax.process_index() == 0)
     with stop_point("the current decode segment", grace_s=STOP_GRACE_S) as stop:
@@ -96,7 +98,7 @@ def sample_and_grade(
 def verify_samples(
     verifier: Any, tokenizer: Any, problems: Sequence[Any], graded: Graded, *,
     verifications: int, temperature: float, max_new_tokens: int, batch_size: int = 8,
-    seed: int = 0,
+    seed: int = 0, sampler: Mapping[str, Any] | None = None,
 ) -> np.ndarray:
     """Verdicts [Q, n, V] of a generative verifier on every graded solution (TOPR arXiv:2503.14286 §4.4).
 
@@ -115,7 +117,8 @@ def verify_samples(
                             n=verifications, stop_token_ids=() if eos is None else (int(eos),))
     prompt_ids = encode_prompts(tokenizer, prompts)
     sampler = build_sampler(verifier, tokenizer, prompt_ids, batch_size=batch_size,
-                            n=verifications, max_new_tokens=max_new_tokens, key="eval.batch_size")
+                            n=verifications, max_new_tokens=max_new_tokens, key="eval.batch_size",
+                            **(sampler or {}))
     completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed + 1))
     verdicts = np.full((len(prompts), verifications), -1, np.int8)
     filled = np.zeros(len(prompts), np.int64)
@@ -133,19 +136,20 @@ def evaluate_model(
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     maj_k: Sequence[int] = (1, 4), trials: int = 100,
     verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool | None = False,
-    progress: bool = True,
+    progress: bool = True, sampler: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Graded]:
     """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
-    (= (model, tokenizer)) also weighted self-consistency (TOPR §4.4)."""
+    (= (model, tokenizer)) also weighted self-consistency (TOPR §4.4). `sampler`: the
+    sampler's batching keywords (`GenerateConfig.sampler_options`)."""
     graded = sample_and_grade(model, tokenizer, task, problems, n=n, temperature=temperature,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                              chat_template=chat_template, progress=progress)
+                              chat_template=chat_template, progress=progress, sampler=sampler)
     verdicts = None
     if verifier is not None:
         verdicts = verify_samples(verifier[0], verifier[1], problems, graded,
                                   verifications=verifications, temperature=temperature,
                                   max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                  seed=seed)
+                                  seed=seed, sampler=sampler)
     summary = evaluation_summary(graded.samples(), maj_k=maj_k, trials=trials, seed=seed,
                                  verdicts=verdicts)
     # A reward the verifier could not compute is counted, never folded silently into "wrong".

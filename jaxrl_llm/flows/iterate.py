@@ -114,6 +114,7 @@ def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfi
         max_new_tokens=e.max_new_tokens or g.max_new_tokens,
         batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=e.maj_k,
         trials=e.bootstrap_trials, chat_template=config.data.chat_template,
+        sampler=config.generate.sampler_options(),
     )
     summary["label"] = label
     if step is not None:
@@ -235,7 +236,7 @@ def run_iteration(
                 max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
                 seed=sampling_seed(config, index), stop_at_eos=g.stop_at_eos,
                 model_name=f"iter_{index - 1}", overwrite=True, progress=progress,
-                chat_template=d.chat_template,
+                chat_template=d.chat_template, sampler=config.generate.sampler_options(),
             )
         sample_stats = record_sample_metrics(config, index, records)
         log.mark("generate", {"records": str(records), "num_records": manifest.num_records,

@@ -161,6 +161,7 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
             temperature=g.temperature if e.temperature is None else e.temperature,
             max_new_tokens=g.max_new_tokens, batch_size=e.batch_size or g.batch_size,
             seed=e.seed, maj_k=(1,), trials=2, chat_template=config.data.chat_template,
+            sampler=config.generate.sampler_options(),
         )
         p1 = summary["pass_at_1"]["mean"]
         if progress:

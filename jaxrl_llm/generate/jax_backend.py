@@ -10,7 +10,7 @@ without a manifest, so readers refuse it and re-running the command writes it ag
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -112,8 +112,10 @@ def generate_records(
     model_name: str = "",
     overwrite: bool = False,
     progress: bool = True,
+    sampler: Mapping[str, Any] | None = None,
 ) -> Manifest:
-    """Sample `n` completions per problem and write scored records to `out_dir`."""
+    """Sample `n` completions per problem and write scored records to `out_dir`. `sampler`:
+    the sampler's batching keywords (`GenerateConfig.sampler_options`)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())
@@ -121,7 +123,7 @@ def generate_records(
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     sampler = build_sampler(model, tokenizer, prompt_ids, batch_size=batch_size, n=n,
                             max_new_tokens=max_new_tokens, key="generate.batch_size",
-                            segment_s=SEGMENT_S)
+                            segment_s=SEGMENT_S, **(sampler or {}))
     chunk = chunk_prompts or sampler.batch_size * 4
     key = jax.random.key(seed)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

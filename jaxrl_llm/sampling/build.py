@@ -70,13 +70,16 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
 def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
                   batch_size: int, n: int, max_new_tokens: int, key: str,
                   say: Callable[[str], None] | None = None,
-                  segment_s: float | None = None, batching: str = "continuous") -> Sampler:
+                  segment_s: float | None = None, batching: str = "continuous",
+                  prefill_chunk: int | None = None) -> Sampler:
     """A `Sampler` for `prompt_ids` (token id lists): pad id from `tokenizer` (0 if it has
     none), prompt batch `batch_size` or fewer so that `n` samples of `max_new_tokens` after
     the longest prompt's bucket fit (`fit_sampler_batch`; `key` is the batch size's config key).
     `segment_s`: decode segments cut to about that many seconds, so a command's progress and
     Ctrl-C act within a batch (single-process only: the sampler's own rule). `batching`:
-    "continuous" (batch_size × n slots refilled as samples end) or "static"."""
+    "continuous" (batch_size × n slots refilled as samples end; `prefill_chunk` prompt tokens
+    prefilled per decode step, None: whole prompts) or "static" (`generate.batching`,
+    `generate.prefill_chunk`: `GenerateConfig.sampler_options`)."""
     if batching not in BATCHING:
         raise ValueError(f"batching={batching!r}: expected one of {BATCHING}")
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -104,4 +107,4 @@ def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]
     if batching == "static":
         return Sampler(model, pad_token_id=pad, batch_size=fitted, segment_s=segment_s)
     return ContinuousSampler(model, slots=fitted * n, batch_size=fitted, pad_token_id=pad,
-                             segment_s=segment_s)
+                             segment_s=segment_s, prefill_chunk=prefill_chunk)

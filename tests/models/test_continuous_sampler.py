@@ -81,9 +81,13 @@ def test_each_prompt_is_prefilled_once_for_its_n_samples(model):
     out = sampler.generate(PROMPTS, _params(n=4), jax.random.key(0))
     assert out.tokens.shape == (24, MAX_NEW)
     assert sampler.prefilled_prompts == len(PROMPTS)
-    # KV bytes per concurrent sequence: prompt width 8 + 10 new slots + its share of the
-    # one-prompt store (8 slots / 4 slots), × 2 (k, v) × 2 layers × 2 heads × 8 dims × 4 bytes.
-    assert sampler.kv_bytes_per_sequence == (8 + MAX_NEW + 8 / 4) * 2 * 2 * 2 * 8 * 4
+    # KV bytes per concurrent sequence, per token 2 (k, v) × 2 layers × 2 KV heads × 8 dims ×
+    # 4 bytes. Shared: 10 generated slots + the prompts' slots shared by the 4 slots: one
+    # staged prompt (ceil(refill 1 / n 4)) and a store of ceil(4 / 4) + 0 + 1 = 2 rows, of
+    # width 8. Copied (before): the prompt's 8 + 10 slots + the staged prompt's share.
+    per_token = 2 * 2 * 2 * 8 * 4
+    assert sampler.kv_bytes_per_sequence == (10 + (2 + 1) * 8 / 4) * per_token
+    assert sampler.kv_bytes_per_sequence_copied == (8 + 10 + 1 * 8 / 4) * per_token
 
 
 def test_bad_input_is_refused_before_compiling(model):
@@ -117,6 +121,18 @@ def test_build_sampler_gives_the_continuous_sampler_unless_asked(model):
     with pytest.raises(ValueError, match="batching='paged'"):
         build_sampler(model, None, PROMPTS, batch_size=4, n=3, max_new_tokens=8,
                       key="generate.batch_size", batching="paged")
+    # generate.batching / generate.prefill_chunk choose it from a run config
+    from jaxrl_llm.config.generate import GenerateConfig
+
+    options = GenerateConfig(batching="static", prefill_chunk=4).sampler_options()
+    assert options == {"batching": "static", "prefill_chunk": 4}
+    assert type(build_sampler(model, None, PROMPTS, batch_size=4, n=3, max_new_tokens=8,
+                              key="generate.batch_size", **options)) is Sampler
+    default = GenerateConfig().sampler_options()
+    assert default["batching"] == "continuous"
+    chunked = build_sampler(model, None, PROMPTS, batch_size=4, n=3, max_new_tokens=8,
+                            key="generate.batch_size", **default)
+    assert chunked.prefill_chunk == default["prefill_chunk"] == 64
 
 
 def test_cache_windows_and_tail_rows_cut_the_work_not_the_samples(model):
@@ -154,3 +170,61 @@ def test_a_model_sharded_over_a_mesh_samples_what_one_device_samples(model):
             PROMPTS, params, jax.random.key(4))
     np.testing.assert_array_equal(out.tokens, one.tokens)
     np.testing.assert_allclose(out.logprobs, one.logprobs, atol=1e-5)
+
+
+GEMMA = DecoderConfig(family="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=4,
+                      layer_types=("sliding_attention", "full_attention"),
+                      attn_logit_softcap=20.0, final_logit_softcap=15.0,
+                      query_pre_attn_scalar=8, hidden_act="gelu_tanh", scan_layers=True,
+                      max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("config", ["llama", "gemma2_scanned"])
+def test_the_shared_prompt_cache_samples_what_copied_caches_sample(model, config):
+    """Each prompt's keys and values are stored once and read by its n samples through the
+    [store row, sample] grid; the static sampler gives each of the n rows its own copy of the
+    prompt's cache. Same tokens, log-probs up to float rounding (the prompt and generated
+    parts are summed apart). Also with a one-row store, where slots wait for a free row
+    (another schedule, the same samples), and for a Gemma-2-shaped model with scanned layers,
+    a sliding window shorter than prompt + completion and soft-caps (masks by position)."""
+    if config != "llama":
+        graphdef, state = nnx.split(Decoder(GEMMA, rngs=nnx.Rngs(2)))
+        model = nnx.merge(graphdef, jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x,
+                                                 state))
+    params = _params(n=4)
+    copied = Sampler(model, batch_size=2, prompt_buckets=(8,)).generate(
+        PROMPTS, params, jax.random.key(5))
+    shared = ContinuousSampler(model, slots=6, prompt_buckets=(8,))
+    tight = ContinuousSampler(model, slots=6, prompt_buckets=(8,), prompt_rows=1)
+    assert shared.layout(PROMPTS, 4)["rows"] == 4  # ceil(6/4) + 1 + 1 staged: < 6 slots
+    for sampler in (shared, tight):
+        out = sampler.generate(PROMPTS, params, jax.random.key(5))
+        assert len(set(out.lengths.tolist())) > 2
+        np.testing.assert_array_equal(out.tokens, copied.tokens)
+        np.testing.assert_array_equal(out.lengths, copied.lengths)
+        np.testing.assert_allclose(out.logprobs, copied.logprobs, atol=2e-5)
+        np.testing.assert_allclose(out.raw_logprobs, copied.raw_logprobs, atol=2e-5)
+    assert tight.steps > shared.steps  # its slots waited for the store's one row
+
+
+def test_chunked_prefill_samples_what_a_whole_prompt_prefill_samples(model):
+    """Prompts prefilled 3 tokens at a time (the width 8 rounded up to 9: 3 chunks), one chunk
+    per decode step of the other slots, give the samples of one-chunk prefills."""
+    params = _params(n=2)
+    whole = ContinuousSampler(model, slots=4, refill_slots=2, prompt_buckets=(8,))
+    chunked = ContinuousSampler(model, slots=4, refill_slots=2, prompt_buckets=(8,),
+                                prefill_chunk=3)
+    assert chunked.layout(PROMPTS, 2)["width"] == 9
+    a = whole.generate(PROMPTS * 2, params, jax.random.key(6))
+    b = chunked.generate(PROMPTS * 2, params, jax.random.key(6))
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+    np.testing.assert_allclose(b.raw_logprobs, a.raw_logprobs, atol=1e-5)
+    # 12 prompts staged one at a time: the first prefilled alone (nothing decodes yet), later
+    # ones mostly chunk by chunk beside decode steps.
+    assert chunked.prefills == 12 and chunked.overlapped_chunks > 12
+    with pytest.raises(ValueError, match="prefill_chunk=0 must be >= 1"):
+        ContinuousSampler(model, slots=4, prefill_chunk=0)
+    with pytest.raises(ValueError, match=r"prompt_rows=1 must be >= the 2 prompts staged"):
+        ContinuousSampler(model, slots=8, refill_slots=4, prompt_rows=1).layout(PROMPTS, 2)
