@@ -36,6 +36,7 @@ from jaxrl_llm.models.layers import (
     _masked_probs,
     _ungroup,
     rms_norm,
+    rope_attention_scale,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -151,7 +152,7 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
     x = jnp.take(model.embed[...], tokens[:, None], axis=0).astype(dt)
     if c.is_gemma:
         x = x * jnp.asarray(math.sqrt(c.hidden_size), dtype=dt)
-    cos, sin = rope_cos_sin(positions[:, None], rope_inv_freq(c))
+    cos, sin = rope_cos_sin(positions[:, None], rope_inv_freq(c), rope_attention_scale(c))
     k_rows, width = store["lengths"].shape[0], jax.tree.leaves(store["v"])[0].shape[-2]
     gen = jax.tree.leaves(own["v"])[0].shape[-2]
     slot_ids = jnp.arange(width, dtype=jnp.int32)
