@@ -65,6 +65,7 @@ def _config(tmp_path: Path, **online: object) -> OnlineConfig:
 
 
 @pytest.mark.reliability
+@pytest.mark.slow  # eight refused set-ups, each with real side processes (~45 s)
 def test_what_the_exchange_cannot_use_is_refused_naming_path_cause_and_fix(tmp_path: Path) -> None:
     failures = 0
     try:
