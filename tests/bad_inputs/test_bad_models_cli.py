@@ -315,8 +315,12 @@ def test_paths_that_are_not_a_model_or_checkpoint(cwd, capsys):
                             "not a checkpoint")
     config_path = fails_naming(["evaluate", *EVAL, "model.source=hf", "model.path=nowhere"], capsys,
                                "nowhere", "config.json")
-    gguf = fails_naming(train("model.source=gguf", "model.path=nowhere.gguf"), capsys,
-                        "nowhere.gguf")
+    # its own directory: the message lists the parent's files, which must not depend on which
+    # other tests of this module wrote theirs first (RELIABILITY.md is diffed in CI)
+    Path("ggufs").mkdir(exist_ok=True)
+    Path("ggufs/good.gguf").write_bytes(Path("good.gguf").read_bytes())
+    gguf = fails_naming(train("model.source=gguf", "model.path=ggufs/nowhere.gguf"), capsys,
+                        "ggufs/nowhere.gguf", "ggufs/ holds: good.gguf")
     export = fails_naming(["export", "--checkpoint", "recs", "--out", "ex"], capsys, "recs",
                           "not a checkpoint")
     score = fails_naming(["score", "--records", "nowhere", "--out", "sc"], capsys, "nowhere",
