@@ -154,6 +154,18 @@ class Exchange:
         write_blob(self.weights_path(version), {"version": version, "leaves": leaves,
                                                 "identity": identity}, payload)
 
+    def header(self, version: int) -> dict[str, Any] | None:
+        """θ_version's blob header alone (its payload's SHA-256 names its bytes); None once
+        collected, {} when unreadable (`load` then says why)."""
+        try:
+            with self.weights_path(version).open("rb") as f:
+                (size,) = _LEN.unpack(f.read(_LEN.size))
+                return json.loads(f.read(size))
+        except FileNotFoundError:
+            return None
+        except (struct.error, ValueError):
+            return {}
+
     def load(self, version: int) -> tuple[dict[str, Any], list[np.ndarray]]:
         header, payload = read_blob(self.weights_path(version), f"weight version θ_{version}")
         return header, arrays_from(header["leaves"], payload)

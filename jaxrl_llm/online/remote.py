@@ -234,6 +234,7 @@ class StoredWeights:
         self._shardings = (state_shardings(state.params, mesh),
                            state_shardings(state.model_state, mesh))
         self._cached: tuple[int, Any] | None = None
+        self._cached_sha: str | None = None
         self.incarnation: str | None = None
         self.free = False
 
@@ -250,7 +251,18 @@ class StoredWeights:
 
     def take(self, version: int) -> Any:
         if self._cached is not None and self._cached[0] == version:
-            return self._cached[1]
+            if not self.free:  # deterministic: θ_v's bytes cannot change
+                return self._cached[1]
+            # free: a restarted trainer publishes its own θ_v over a killed one's, so the
+            # number alone does not name the weights: the payload's SHA-256 does. Same bytes:
+            # the rounds are stamped with the publisher now on file (stamped with a killed
+            # trainer's, the restarted one drops every round as sampled by lost weights)
+            head = self.ex.header(version)
+            if head is None:
+                raise _Newer
+            if head.get("sha256") == self._cached_sha:
+                self.incarnation = head.get("identity", {}).get("incarnation")
+                return self._cached[1]
         path = self.ex.weights_path(version)
         if self.free and not path.exists():
             raise _Newer
@@ -272,7 +284,7 @@ class StoredWeights:
         placed = jax.block_until_ready(jax.device_put(
             jax.tree_util.tree_unflatten(self._tree, arrays), self._shardings))
         self.incarnation = header.get("identity", {}).get("incarnation")
-        self._cached = (version, placed)
+        self._cached, self._cached_sha = (version, placed), header.get("sha256")
         return placed
 
     def close(self) -> None:

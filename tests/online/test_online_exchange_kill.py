@@ -88,10 +88,6 @@ def test_sigkill_of_either_side_then_the_same_command_gives_the_serial_state(
                "staleness 2")
 
 
-@pytest.mark.skip(reason="known bug (2026-11-27, after the continuous-sampler merge): a free-running "
-                  "trainer restarted after SIGKILL keeps re-reading the shards and counting them "
-                  "('consumed' grows without updates) while the weights directory stays empty; "
-                  "fix in online/remote.py's free-running resume before re-enabling")
 def test_sigkill_of_the_free_running_trainer_keeps_the_bound_and_the_accounting(
         tmp_path: Path, reference: tuple[Path, Path]) -> None:
     # Free-running is not reproducible: what a kill must not break is the bound and the

@@ -1,0 +1,51 @@
+"""A rollout worker's weight cache (`remote.StoredWeights`) against a restarted free-running
+trainer: the version number alone does not name the weights (a restarted trainer publishes
+its own θ_v over a killed one's), so the worker reloads when the bytes differ and, when they
+are the same, stamps its rounds with the publisher now on file. Stamped with the killed
+trainer's, every later round is dropped as sampled by lost weights and the run never ends —
+the livelock the free-running SIGKILL test (tests/online/test_online_exchange_kill.py) hit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm.online.exchange import Exchange
+from jaxrl_llm.online.remote import StoredWeights
+from jaxrl_llm.parallel.mesh import AxisSizes, make_mesh
+
+
+def _worker(ex: Exchange) -> StoredWeights:
+    params = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Param)
+    policy = SimpleNamespace(state=SimpleNamespace(params=params, model_state=nnx.State({})),
+                             mesh=make_mesh(AxisSizes(), jax.devices()[:1]))
+    weights = StoredWeights(ex, SimpleNamespace(policy=policy), {"model": "m"})
+    weights.free = True
+    return weights
+
+
+def _publish(ex: Exchange, version: int, scale: float, incarnation: str) -> None:
+    kernel = np.full((2, 3), scale, np.float32)
+    named = [("[0]['bias'].value", np.zeros(3, np.float32)), ("[0]['kernel'].value", kernel)]
+    ex.publish(version, named, {"model": "m", "incarnation": incarnation})
+
+
+def test_a_restarted_trainer_s_version_is_reloaded_or_restamped(tmp_path):
+    ex = Exchange(str(tmp_path), timeout_s=5)
+    weights = _worker(ex)
+    _publish(ex, 2, 1.0, "killed")
+    first = weights.take(2)
+    assert weights.incarnation == "killed"
+
+    _publish(ex, 2, 1.0, "restarted")  # the same update replayed: the same bytes
+    assert weights.take(2) is first  # no reload
+    assert weights.incarnation == "restarted"
+
+    _publish(ex, 2, 3.0, "again")  # different bytes under the same number
+    params, _ = weights.take(2)
+    assert weights.incarnation == "again"
+    kernel = jax.tree_util.tree_leaves(params)[1]
+    np.testing.assert_array_equal(np.asarray(kernel), np.full((2, 3), 3.0, np.float32))
