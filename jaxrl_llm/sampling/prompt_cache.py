@@ -140,6 +140,31 @@ def _layer(buffers: Any, index: Any) -> Array:
     return jax.lax.dynamic_index_in_dim(buffers, index, 0, keepdims=False)
 
 
+def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
+                    slot_axis: int, layer: Array | None = None) -> Array:
+    """`buf` with each row r's generated slot `write[r]` set to `value`'s row r (value: `buf`
+    without its slot axis and, when `layer` is given, without its leading layer axis: that
+    layer's slot is set). One dynamic_update_slice per row under vmap: compiled in place, where
+    the equivalent scatter into the minor slot axis (`buf.at[..., r, ..., write]`) makes the TPU
+    compiler copy the whole cache every step (7 GiB per chip for an 8B model at 256 × 8,192;
+    benchmarks/decode_v5e.py). The index is clamped: an idle slot's (write ≥ G) lands in its
+    own last generated slot, which no sequence reads before writing it (a slot reads its own
+    slots < t only, all written by its current sequence)."""
+    axis = slot_axis - (slot_axis > row_axis)  # in one row's buffer
+
+    def one(row: Array, x: Array, at: Array) -> Array:
+        start = [jnp.int32(0)] * row.ndim
+        start[axis] = at
+        x = jnp.expand_dims(x.astype(row.dtype), axis - (layer is not None))
+        if layer is not None:
+            start[0] = layer
+            x = x[None]
+        return jax.lax.dynamic_update_slice(row, x, start)
+
+    value_axis = row_axis - (layer is not None)
+    return jax.vmap(one, in_axes=(row_axis, value_axis, 0), out_axes=row_axis)(buf, value, write)
+
+
 def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array, own: dict,
                  store: dict, rows: Array, samples: Array, t: Array, n: int) -> tuple[Array,
                                                                                   dict]:
@@ -165,8 +190,7 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
         w = c.sliding_window
         masks[True] = (prompt_mask & (positions[:, None] - slot_ids[None, :] < w),
                        own_mask & ((t - 1)[:, None] - own_ids[None, :] < w))
-    write = jnp.where(rows < k_rows, t - 1, gen)  # out of range: dropped
-    r = jnp.arange(tokens.shape[0])
+    write = jnp.where(rows < k_rows, t - 1, gen)  # an idle slot: clamped (write_generated)
 
     def layer(p, x, is_sliding, index, gk, gv):
         """gk / gv: the own-cache buffers (a tuple's entry or the whole stack)."""
@@ -181,12 +205,12 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
         def attend(q, k, v):
             nk = k[:, 0].astype(gk.dtype)  # [R, Hkv, D]
             nv = v[:, 0].astype(gv.dtype)
-            if stacked:
-                new["k"] = gk.at[index, r, :, :, write].set(nk, mode="drop")
-                new["v"] = gv.at[index, r, :, write, :].set(nv, mode="drop")
-            else:
-                new["k"] = gk.at[r, :, :, write].set(nk, mode="drop")
-                new["v"] = gv.at[r, :, write, :].set(nv, mode="drop")
+            if stacked:  # [L, R, Hkv, D, G] / [L, R, Hkv, G, D]
+                new["k"] = write_generated(gk, nk, write, row_axis=1, slot_axis=4, layer=index)
+                new["v"] = write_generated(gv, nv, write, row_axis=1, slot_axis=3, layer=index)
+            else:  # [R, Hkv, D, G] / [R, Hkv, G, D]
+                new["k"] = write_generated(gk, nk, write, row_axis=0, slot_axis=3)
+                new["v"] = write_generated(gv, nv, write, row_axis=0, slot_axis=2)
             layer_k, layer_v = (_layer(new[f], index) if stacked else new[f] for f in "kv")
             prompt = (_layer(store["k"], index).astype(q.dtype),
                       _layer(store["v"], index).astype(q.dtype))
