@@ -137,6 +137,7 @@ def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: 
     assert f"![{SERIES_TITLES['pipeline_seconds']}]" in report.read_text()
 
 
+@pytest.mark.slow  # three in-process runs on 8 devices (~30 s): the default suite's budget
 def test_split_placement_without_overlap_is_the_reference(tmp_path: Path) -> None:
     # 6 sampler devices cannot take the trainer's fsdp 2 × data 1 sizes: the sampler is
     # data-parallel, its log-probs (μ here: mu_source sampler) round differently from the
