@@ -22,6 +22,7 @@ EVAL = {"n": 4, "num_questions": 6, "temperature": 1.0, "max_new_tokens": 8, "ba
         "split": "test"}
 
 
+@pytest.mark.slow  # a CLI run with three evaluations (~25 s): the default suite's budget
 def test_online_evaluates_before_during_and_after_one_row_each(tmp_path: Path) -> None:
     env = {**base_env(tmp_path / "jax-cache"), "JAXRL_PROGRESS_INTERVAL_S": "0"}
     write_yaml(tmp_path / "online.yaml", tiny("run", train={"eval_every": 2}, eval=EVAL))
