@@ -71,8 +71,15 @@ KILL_SCRIPT = textwrap.dedent(
     ckpt = Checkpointer(sys.argv[1], save_every=1, keep=5)
     ckpt.save(1, {"w": jnp.full((1024, 1024), 1.0)})
     ckpt.wait()
-    # ~64 MB so the background write is still running when the process dies.
-    ckpt.save(2, {"w": jnp.full((4096, 4096), 2.0)})
+    # ~256 MB, and the kill waits for the save's temporary directory: it lands mid-write
+    # however loaded the machine is (killed before that, the save would not have started)
+    ckpt.save(2, {"w": jnp.full((8192, 8192), 2.0)})
+    import glob, time
+    deadline = time.monotonic() + 120  # a bound on a hung save only
+    while not glob.glob(os.path.join(sys.argv[1], "2.orbax-checkpoint-tmp*")):
+        if time.monotonic() > deadline:
+            sys.exit("no temporary directory for step 2 within 120 s")
+        time.sleep(0.001)
     print("SAVING", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     """
@@ -83,7 +90,7 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(directory)], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert "SAVING" in proc.stdout
     names = sorted(p.name for p in directory.iterdir())
