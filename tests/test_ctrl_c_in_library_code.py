@@ -18,6 +18,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.faults.online_stage import ONLINE_YAML
 from tests.xla_flags import ONE_DEVICE
 
@@ -54,6 +56,7 @@ def _single_host_env() -> dict[str, str]:
     return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ONE_DEVICE}
 
 
+@pytest.mark.slow  # a CLI subprocess interrupted mid-compile (~14 s): the default budget
 def test_ctrl_c_in_a_jit_cache_lookup_exits_130(tmp_path):
     (tmp_path / "online.yaml").write_text(ONLINE_YAML)
     proc = subprocess.run([sys.executable, "-c", _AT_STATIC_ARG_EQ], cwd=tmp_path,

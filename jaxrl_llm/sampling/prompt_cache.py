@@ -142,9 +142,9 @@ def _layer(buffers: Any, index: Any) -> Array:
 
 def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
                     slot_axis: int, layer: Array | None = None) -> Array:
-    """`buf` with each row r's generated slot `write[r]` set to `value`'s row r (value: `buf`
-    without its slot axis and, when `layer` is given, without its leading layer axis: that
-    layer's slot is set). One dynamic_update_slice per row under vmap: compiled in place, where
+    """`buf` with each row r's generated slot `write[r]` set to `value[r]` (value [R, ...]: one
+    row of `buf` without its slot axis and, when `layer` is given, without its leading layer
+    axis: that layer's slot is set). One dynamic_update_slice per row under vmap: compiled in place, where
     the equivalent scatter into the minor slot axis (`buf.at[..., r, ..., write]`) makes the TPU
     compiler copy the whole cache every step (7 GiB per chip for an 8B model at 256 × 8,192;
     benchmarks/decode_v5e.py). The index is clamped: an idle slot's (write ≥ G) lands in its
@@ -161,8 +161,7 @@ def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
             x = x[None]
         return jax.lax.dynamic_update_slice(row, x, start)
 
-    value_axis = row_axis - (layer is not None)
-    return jax.vmap(one, in_axes=(row_axis, value_axis, 0), out_axes=row_axis)(buf, value, write)
+    return jax.vmap(one, in_axes=(row_axis, 0, 0), out_axes=row_axis)(buf, value, write)
 
 
 def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array, own: dict,

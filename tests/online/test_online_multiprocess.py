@@ -44,7 +44,6 @@ def _online(config: Path, *overrides: str) -> list[dict]:
     return [json.loads(out[out.rindex("\n{") + 1:]) for out in outputs]
 
 
-
 def assert_rows_match(ref_rows: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     """A multi-process run's metric rows against the one-process reference: rewards and pass@k
     exactly (the same samples), losses and norms within float32 reduction-order noise."""
@@ -55,6 +54,7 @@ def assert_rows_match(ref_rows: list[dict[str, Any]], rows: list[dict[str, Any]]
             assert (key in a) == (key in b), key
             if key in a:
                 np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
 
 def _arrays(state: Any) -> dict[str, np.ndarray]:
     """Every array of a train state (params, optimizer state, step, RNG) by path, gathered."""

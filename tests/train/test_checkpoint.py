@@ -64,7 +64,7 @@ def test_round_trip_with_iterator_meta_and_keep_last(tmp_path):
 
 KILL_SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys
+    import glob, os, signal, sys, time
     import jax, jax.numpy as jnp
     from jaxrl_llm.train.checkpoint import Checkpointer
 
@@ -74,7 +74,6 @@ KILL_SCRIPT = textwrap.dedent(
     # ~256 MB, and the kill waits for the save's temporary directory: it lands mid-write
     # however loaded the machine is (killed before that, the save would not have started)
     ckpt.save(2, {"w": jnp.full((8192, 8192), 2.0)})
-    import glob, time
     deadline = time.monotonic() + 120  # a bound on a hung save only
     while not glob.glob(os.path.join(sys.argv[1], "2.orbax-checkpoint-tmp*")):
         if time.monotonic() > deadline:

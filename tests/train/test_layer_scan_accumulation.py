@@ -70,7 +70,7 @@ def test_the_switch_follows_the_config():
         "model": cfg.model.model_copy(update={"remat": "dots"})}))
 
 
-@pytest.mark.parametrize("loss", ["topr", "fpa"])
+@pytest.mark.parametrize("loss", ["topr", pytest.param("fpa", marks=pytest.mark.slow)])
 def test_in_scan_accumulation_equals_plain_scan_and_one_big_batch(loss):
     plain, total_plain, temp_plain = _grads(loss, in_scan=False, micro=2)
     in_scan, total_in, temp_in = _grads(loss, in_scan=True, micro=2)

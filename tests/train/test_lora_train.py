@@ -151,6 +151,7 @@ def test_score_pass_of_a_lora_policy_writes_the_base_as_reference():
     assert np.abs(mu - ref).max() > 1e-2
 
 
+@pytest.mark.slow  # ~11 s: the default suite's 10-minute budget
 def test_dpo_with_lora_uses_the_base_as_reference():
     """The step's DPO loss with `ref_logprobs: model` (π_ref = adapters off) equals the loss
     with the base model's log-probs given in the batch."""
