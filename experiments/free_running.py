@@ -34,10 +34,13 @@ from __future__ import annotations
 import os
 import re
 
-# two host devices (sampler, trainer), before anything imports jax: replaces any device count
-os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                                 os.environ.get("XLA_FLAGS", "")) + \
-    " --xla_force_host_platform_device_count=2"
+# two host devices (sampler, trainer), before anything imports jax: replaces any device count.
+# Run as a script only: `experiments/redraw.py` imports this module for its `plot`, and a
+# changed XLA_FLAGS would reach every process the importer starts later.
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                                     os.environ.get("XLA_FLAGS", "")) + \
+        " --xla_force_host_platform_device_count=2"
 
 import json
 import sys
