@@ -10,7 +10,7 @@ tokens/s, the JAX / PyTorch ratio, and MFU = (6·N·tokens + causal attention FL
 process (memory). Writes benchmarks/results/gpu_train_step_<device>.json.
 
     python benchmarks/gpu_train_step.py [--shapes smollm2_135m qwen25_05b qwen25_15b qwen3_06b]
-        [--batches 8x1024 8x4096] [--steps 5] [--remat none|full|dots]
+        [--batches 8x1024 8x4096] [--steps 5] [--remat none|full|dots] [--no-scan-layers]
 
 `--smoke` runs a tiny shape on whatever device is present (CPU included) to check the script.
 """
@@ -82,7 +82,7 @@ def run_jax(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
     from jaxrl_llm.train.step import make_train_step
 
     config = config_from_dict({
-        "model": {**shape, "max_position_embeddings": max(t, 2048), "scan_layers": True,
+        "model": {**shape, "max_position_embeddings": max(t, 2048), "scan_layers": args.scan_layers,
                   "remat": args.remat, "param_dtype": "auto", "compute_dtype": args.compute_dtype,
                   "attention": "auto"},
         "loss": {"name": "topr", "logprob_chunk_size": 16384},
@@ -143,7 +143,8 @@ def run_torch(shape: dict, b: int, t: int, args) -> tuple[int, callable]:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = hf_model(shape, max(t, 2048)).to(device=device, dtype=torch.bfloat16).train()
+    with torch.device(device):  # initialised where it runs (a 1.5B model's CPU init is slow)
+        model = hf_model(shape, max(t, 2048)).to(dtype=torch.bfloat16).train()
     if args.remat == "full":
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
@@ -186,11 +187,13 @@ def child(framework: str, shape_name: str, b: int, t: int, args) -> dict:
     if framework == "jax":
         import jax
         device = jax.devices()[0].device_kind
+        peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
     else:
         import torch
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     return {"framework": framework, "params": n_params, "median_s": statistics.median(times),
-            "times_s": times, "device": device}
+            "times_s": times, "device": device, "peak_memory_gib": peak / 2**30}
 
 
 def versions() -> dict[str, str]:
@@ -211,6 +214,9 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", default=["8x1024", "8x4096"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--remat", default="dots", choices=("none", "full", "dots"))
+    ap.add_argument("--scan-layers", default=True, action=argparse.BooleanOptionalAction,
+                    help="JAX model.scan_layers (--no-scan-layers: layers unrolled in the "
+                         "program, compiled longer, scheduled across layers)")
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="split each batch into this many backward passes, gradients "
                          "accumulated (each framework retried with 2, 4, 8 after running "
@@ -239,7 +245,8 @@ def main() -> None:
                     cmd = [sys.executable, __file__, "--child", fw, name, str(b), str(t),
                            "--steps", str(args.steps), "--remat", args.remat,
                            "--compute-dtype", args.compute_dtype,
-                           "--micro-batches", str(micro)]
+                           "--micro-batches", str(micro),
+                           "--scan-layers" if args.scan_layers else "--no-scan-layers"]
                     out = subprocess.run(cmd, capture_output=True, text=True)
                     oom = any(m in out.stderr for m in ("OutOfMemoryError", "RESOURCE_EXHAUSTED"))
                     if not (out.returncode and oom and micro < min(b, 8)):
@@ -272,6 +279,7 @@ def main() -> None:
                f"gpu_train_step_{device.replace(' ', '_')}.json")
     if not args.smoke:
         out.write_text(json.dumps({"device": device, "remat": args.remat,
+                                   "scan_layers": args.scan_layers,
                                    "versions": versions(), "rows": rows},
                                   indent=2) + "\n")
         print(f"wrote {out}")

@@ -34,6 +34,25 @@ def test_gpu_train_step_smoke_runs_both_frameworks_with_micro_batches(tmp_path: 
         row["jax"]["tokens_per_s"] / row["torch"]["tokens_per_s"])
 
 
+@pytest.mark.slow  # two child processes, each compiling or running three workloads
+def test_gpu_sampler_smoke_runs_every_workload_in_both_frameworks(tmp_path: Path) -> None:
+    _run(tmp_path, str(ROOT / "benchmarks" / "gpu_sampler.py"), "--smoke", "--out", "s.json")
+    result = json.loads((tmp_path / "s.json").read_text())
+    per = result["shapes"]["tiny"]
+    for fw in ("jax", "torch"):
+        rows = per[fw]["rows"]
+        # greedy: 16 prompts, exactly 128 tokens each; eos_n8: 2 prompts × 8; longtail: 8 × 4
+        assert rows["greedy"]["sequences"] == 16 and rows["greedy"]["mean_length"] == 128
+        assert rows["eos_n8"]["sequences"] == 16 and rows["longtail"]["sequences"] == 32
+        for name, max_new in (("eos_n8", 256), ("longtail", 512)):
+            row = rows[name]  # the stop set ends sequences early (mean ≈ 64 / 96 tokens)
+            assert 1 <= row["mean_length"] < max_new and row["max_length"] <= max_new, row
+            assert row["tokens"] == pytest.approx(row["sequences"] * row["mean_length"])
+    for name, ratio in per["ratio"].items():
+        assert ratio == pytest.approx(per["jax"]["rows"][name]["tokens_per_s"]
+                                      / per["torch"]["rows"][name]["tokens_per_s"])
+
+
 @pytest.mark.slow  # a 135M-parameter random model, saved and loaded by both frameworks
 def test_generate_with_random_weights_agrees_with_transformers_greedy(tmp_path: Path) -> None:
     """`--weights random`: both frameworks load the one checkpoint transformers saved, so in

@@ -26,12 +26,13 @@ from jaxrl_llm.train.trainer import Trainer
 N = 3  # steps before the kill; the full run is 2N
 
 
-def tiny_config(run_dir: Path, records: Path, **train: object) -> object:
+def tiny_config(run_dir: Path, records: Path, model: dict | None = None,
+                **train: object) -> object:
     return config_from_dict({
         "run_dir": str(run_dir), "seed": 3,
         "model": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                   "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-                  "max_position_embeddings": 64},
+                  "max_position_embeddings": 64, **(model or {})},
         "optim": {"name": "adamw", "learning_rate": 1e-2},
         "loss": {"name": "topr"},
         "data": {"records": str(records), "shuffle_seed": 5},
