@@ -83,10 +83,10 @@ def test_each_prompt_is_prefilled_once_for_its_n_samples(model):
     assert sampler.prefilled_prompts == len(PROMPTS)
     # KV bytes per concurrent sequence, per token 2 (k, v) × 2 layers × 2 KV heads × 8 dims ×
     # 4 bytes. Shared: 10 generated slots + the prompts' slots shared by the 4 slots: one
-    # staged prompt (ceil(refill 1 / n 4)) and a store of ceil(4 / 4) + 0 + 1 = 2 rows, of
-    # width 8. Copied (before): the prompt's 8 + 10 slots + the staged prompt's share.
+    # staged prompt (ceil(refill 1 / n 4)) and a store of min(3 × ceil(4 / 4), 4 / 2) + 1 = 3
+    # rows, of width 8. Copied (before): the prompt's 8 + 10 slots + the staged prompt's share.
     per_token = 2 * 2 * 2 * 8 * 4
-    assert sampler.kv_bytes_per_sequence == (10 + (2 + 1) * 8 / 4) * per_token
+    assert sampler.kv_bytes_per_sequence == (10 + (3 + 1) * 8 / 4) * per_token
     assert sampler.kv_bytes_per_sequence_copied == (8 + 10 + 1 * 8 / 4) * per_token
 
 
@@ -197,7 +197,7 @@ def test_the_shared_prompt_cache_samples_what_copied_caches_sample(model, config
         PROMPTS, params, jax.random.key(5))
     shared = ContinuousSampler(model, slots=6, prompt_buckets=(8,))
     tight = ContinuousSampler(model, slots=6, prompt_buckets=(8,), prompt_rows=1)
-    assert shared.layout(PROMPTS, 4)["rows"] == 4  # ceil(6/4) + 1 + 1 staged: < 6 slots
+    assert shared.layout(PROMPTS, 4)["rows"] == 4  # min(3 × ceil(6/4), 6/2) + 1 staged
     for sampler in (shared, tight):
         out = sampler.generate(PROMPTS, params, jax.random.key(5))
         assert len(set(out.lengths.tolist())) > 2
