@@ -18,7 +18,8 @@ max_num_seqs=concurrency)` with prefix caching and chunked prefill on (its defau
 for a workload of n samples per prompt: the n samples share the cached prompt), eager mode,
 every core bound (`VLLM_CPU_OMP_THREADS_BIND=0,1`, no reserved core), a 4 GiB KV cache. Each
 framework runs in a child process of its own (a warm-up call identical to the timed ones, so
-that JAX compiles outside them, then `--runs` timed calls); tokens/s counts completion tokens (EOS included), medians.
+that JAX compiles outside them, then `--runs` timed calls); tokens/s counts completion tokens
+(EOS included), medians.
 Time to first token: one call with max_new_tokens = 1 on the first concurrency's worth of
 sequences. Peak memory: the child's peak RSS. KV bytes per concurrent sequence of the new
 sampler, shared and as the copied layout before it (`prompt_cache.kv_bytes_per_sequence`).

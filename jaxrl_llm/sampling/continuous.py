@@ -62,17 +62,15 @@ Array = jax.Array
 
 
 def default_prompt_rows(slots: int, n: int, staging_rows: int) -> int:
-    """Store rows: for n > 1, 3 × the ceil(R/n) prompts that fill the slots, at most R/2 (the
-    store then holds at most half the prompt copies that per-slot caches would); for n = 1 the
-    R prompts; plus room for the staged prompts.
+    """Store rows: 3 × the ceil(R/n) prompts that fill the slots, but at most R/2 (the store
+    then holds at most half the prompt copies that per-slot caches would) and never fewer
+    than ceil(R/n) (so n = 1 gets R rows); plus room for the staged prompts.
 
     A prompt holds its row until its last sample ends, about H_n (the n-th harmonic number,
     2.7 at n = 8) mean lengths after its first began, so with fewer rows the freed slots wait
     for a row: at 16 slots and n = 8 (SmolLM2, T = 1 until EOS) 4 rows left 27 % of the
     slot-steps idle; 6 to 8 rows ran 13–17 % faster (benchmarks/continuous_batching.py)."""
     full = math.ceil(slots / n)
-    if n == 1:
-        return full + staging_rows
     return min(3 * full, max(full, slots // 2)) + staging_rows
 
 
