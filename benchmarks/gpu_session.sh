@@ -8,6 +8,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the steps run from benchmarks/
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 SMOKE=${GPU_SESSION_SMOKE:+--smoke}
 PY=${PYTHON:-python3}
