@@ -3,6 +3,9 @@ commands open a model and its tokenizer."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,22 @@ def test_a_random_model_gets_the_char_tokenizer() -> None:
     with pytest.raises(ConfigError, match=r"model\.vocab_size=64 is smaller than the char "
                                           r"tokenizer \(101\)"):
         open_tokenizer(ExperimentConfig(model={"vocab_size": 64}))
+
+
+def test_a_remote_models_local_copy_is_removed_when_the_process_exits(tmp_path: Path) -> None:
+    """`--model gs://…` reads a local copy (transformers needs files); the copy is whole while
+    the process runs and gone once it exits, so repeated commands do not fill /tmp."""
+    source = tmp_path / "export"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text('{"a": 1}')
+    (source / "sub" / "w.bin").write_bytes(bytes(range(256)) * 64)
+    script = ("import sys; from jaxrl_llm.policy.opener import local_copy; "
+              f"c = local_copy({str(source)!r}); "
+              "print(c); print((c / 'config.json').read_text()); "
+              "print(len((c / 'sub' / 'w.bin').read_bytes()))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    copy, config, size = out.stdout.splitlines()
+    assert (config, size) == ('{"a": 1}', str(256 * 64))  # whole while the process ran
+    assert copy.startswith(tempfile.gettempdir()) and not Path(copy).exists()

@@ -21,6 +21,8 @@ need no weights: vLLM sampling, gold records, the training-time evaluation).
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +90,7 @@ def open_model(source: str | None, config: Any, *, mesh: Any = None, tokenizer: 
         return open_checkpoint(path, mesh=mesh, tokenizer=tokenizer, with_tokenizer=with_tokenizer)
     name = path or (config.model.path if kind == "config" else "smollm2") or config.model.source
     if kind == "hf" and path is not None and is_remote(as_path(path)):
-        path = str(copy_tree(as_path(path), tempfile.mkdtemp(prefix="jaxrl-model-")))
+        path = str(local_copy(path))
     if kind != "config":
         config = config.model_copy(update={"model": model_section(config, kind, path)})
     config = with_tokenizer_named(config, tokenizer)
@@ -100,6 +102,17 @@ def open_model(source: str | None, config: Any, *, mesh: Any = None, tokenizer: 
         tok = own if own is not None and config.data.tokenizer is None else fitting_tokenizer(
             config, model, model_from=str(m.path or f"model.source={m.source}"))
     return OpenedModel(model, tok, config, kind, {"model": str(name)})
+
+
+def local_copy(source: str) -> Path:
+    """A local copy of the model directory `source` (a `gs://` one: transformers and the
+    tokenizers read local files), removed when the process exits (every later read of it,
+    tokenizer or export, is in this process; left behind, each `--model gs://…` would leave a
+    full model in the temporary directory)."""
+    local = Path(tempfile.mkdtemp(prefix="jaxrl-model-"))
+    atexit.register(shutil.rmtree, local, ignore_errors=True)
+    copy_tree(as_path(source), local)
+    return local
 
 
 def open_checkpoint(path: str, *, step: int | None = None, mesh: Any = None,
