@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from jaxrl_llm.parallel.mesh import context_shards, make_mesh
 from jaxrl_llm.policy.export import atomic_save
 from jaxrl_llm.policy.opener import OpenedModel, open_model
 from jaxrl_llm.sampling.build import build_sampler
+from jaxrl_llm.sampling.continuous import ContinuousSampler, version_runs
 from jaxrl_llm.sampling.sampler import SamplingParams
 from jaxrl_llm.tasks import task_from_config
 from jaxrl_llm.train.checkpoint import (
@@ -66,6 +67,8 @@ class Samples:
     logprobs: list[np.ndarray]  # per completion: the sampler's log-probs (after top-k/top-p)
     raw_logprobs: list[np.ndarray]  # per completion: untruncated, at the sampling temperature
     finish_reason: list[str]
+    # per completion: the weight version of each token (in-flight updates only, else None)
+    versions: list[np.ndarray] | None = None
 
 
 def _as_config(config: ExperimentConfig | Mapping[str, Any] | str | None,
@@ -159,9 +162,12 @@ class Policy:
 
     def sample(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, n: int | None = None,
                temperature: float | None = None, max_new_tokens: int | None = None,
-               seed: int = 0) -> Samples:
+               seed: int = 0, weights: Callable[[], tuple[int, Any] | None] | None = None,
+               version: int = 0) -> Samples:
         """`n` completions per prompt (texts or token ids) with the KV-cache sampler
-        (`sampling/sampler.py`) on the current weights; defaults from `generate:`."""
+        (`sampling/sampler.py`) on the current weights; defaults from `generate:`.
+        `weights`/`version`: in-flight weight updates (`ContinuousSampler.generate`); the
+        samples then carry each token's version."""
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
             prompts[0], str) else self.encode(prompts)  # type: ignore[arg-type]
@@ -177,7 +183,11 @@ class Policy:
                                 n=params.n, max_new_tokens=params.max_new_tokens,
                                 key="generate.batch_size", say=self._say_once,
                                 **self.config.generate.sampler_options())
-        out = sampler.generate(ids, params, jax.random.key(seed))
+        if weights is not None and not isinstance(sampler, ContinuousSampler):
+            raise ConfigError("in-flight weight updates need generate.batching: continuous "
+                              f"(it is {self.config.generate.batching})")
+        hook = dict(weights=weights, version=version) if weights is not None else {}
+        out = sampler.generate(ids, params, jax.random.key(seed), **hook)
         lengths = [int(x) for x in out.lengths]
         return Samples(
             prompt_index=np.asarray(out.prompt_index),
@@ -186,21 +196,30 @@ class Policy:
             logprobs=[np.asarray(out.logprobs[i, :m], np.float32) for i, m in enumerate(lengths)],
             raw_logprobs=[np.asarray(out.raw_logprobs[i, :m], np.float32)
                           for i, m in enumerate(lengths)],
-            finish_reason=[str(x) for x in out.finish_reason])
+            finish_reason=[str(x) for x in out.finish_reason],
+            versions=None if out.versions is None else [out.versions[i, :m]
+                                                        for i, m in enumerate(lengths)])
 
     def rollout(self, problems: Sequence[Any], *, n: int | None = None, seed: int = 0,
-                group_offset: int = 0) -> list[Record]:
+                group_offset: int = 0,
+                weights: Callable[[], tuple[int, Any] | None] | None = None,
+                version: int = 0) -> list[Record]:
         """Sample `n` completions per problem of `self.task` and reward them with the task's
-        verifier: one `Record` per completion (`group_id = group_offset + problem index`)."""
+        verifier: one `Record` per completion (`group_id = group_offset + problem index`).
+        With in-flight `weights` (`sample`), each record's metadata `weight_versions` lists
+        [version, first token] wherever the version changes."""
         texts = [self.task.prompt(p) for p in problems]
         ids = self.encode(texts)
-        s = self.sample(ids, n=n, seed=seed)
+        s = self.sample(ids, n=n, seed=seed, weights=weights, version=version)
         completions = [Completion(prompt_index=int(s.prompt_index[i]), token_ids=s.token_ids[i],
                                   logprobs=s.logprobs[i], raw_logprobs=s.raw_logprobs[i],
                                   finish_reason=s.finish_reason[i])
                        for i in range(len(s.token_ids))]
-        return build_records(self.task, list(problems), ids, completions, self.tokenizer,
-                             group_offset=group_offset, prompts=texts)
+        records = build_records(self.task, list(problems), ids, completions, self.tokenizer,
+                                group_offset=group_offset, prompts=texts)
+        for record, versions in zip(records, s.versions or (), strict=s.versions is not None):
+            record.metadata["weight_versions"] = version_runs(versions)
+        return records
 
     # -- batches, scoring, training -------------------------------------------------------
     def batch(self, records: Sequence[Record], *, require_mu: bool | None = None) -> Any:

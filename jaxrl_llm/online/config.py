@@ -45,6 +45,12 @@ class OnlineSection(Section):
     max_staleness: int = Field(4, ge=0, description="pipeline: free: the largest version lag "
                                "(updates since the weights that sampled a batch) the trainer "
                                "trains on; older batches are dropped and counted")
+    inflight_weights: bool = Field(
+        False, description="pipeline: free: the sampler also takes newer published weights "
+        "between decode segments of a round's generation (PipelineRL's in-flight updates, "
+        "arXiv:2509.19128): a long sample's later tokens come from newer weights, each record "
+        "names the version of each token (metadata weight_versions), μ is the sampler's "
+        "log-probs (needs mu_source: sampler) and a batch's lag counts from its oldest token")
     sampler_devices: int = Field(0, ge=0, description="devices (the first N of this host's) "
                                  "the sampler runs on, the rest train (mesh: over the rest); "
                                  "0 = the sampler shares the trainer's devices. Weights move "

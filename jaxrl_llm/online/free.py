@@ -24,7 +24,7 @@ import jax
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
-from jaxrl_llm.online.lag import lag_metrics, side_seconds
+from jaxrl_llm.online.lag import lag_metrics, side_seconds, token_lag_metrics
 from jaxrl_llm.online.pipeline import Feed, open_run
 from jaxrl_llm.online.rounds import mean_metrics, reward_metrics
 
@@ -83,6 +83,8 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
             waited = feed.waited
             steps, lags, trained, dropped, busy = [], [], [], 0, 0.0
             sampler = {"sampler_busy": 0.0, "sampler_wait": 0.0}
+            inflight = {"inflight_swaps": 0.0, "inflight_swap_s": 0.0}
+            by_update: list[tuple[int, list[Record]]] = []
             for _ in range(o.updates_per_round):
                 while True:
                     while not pending:
@@ -93,6 +95,8 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
                         run.position, run.mu_source = done.position, done.mu_source
                         for key in sampler:
                             sampler[key] += done.seconds[key]
+                        for key in inflight:
+                            inflight[key] += done.seconds.get(key, 0.0)
                     version, records = pending.popleft()
                     if run.updates - version <= o.max_staleness:
                         break
@@ -102,6 +106,7 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
                 busy += time.perf_counter() - t0
                 lags.append(run.updates - version)
                 trained.extend(records)
+                by_update.append((run.updates, records))
                 run.updates += 1
                 bar.update(1)
                 syncs.append(opened.publish())
@@ -116,6 +121,9 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
                            **side_seconds(trainer_busy=busy, trainer_wait=feed.waited - waited,
                                           syncs=syncs, **sampler),
                            **{f"pipeline/{k}": float(v) for k, v in counts.items()},
+                           **token_lag_metrics(by_update),
+                           **({f"pipeline/{k}": v for k, v in inflight.items()}
+                              if o.inflight_weights else {}),
                            **{"pipeline/dropped": float(dropped),
                               "pipeline/waiting": float(sum(len(b) for _, b in pending))})
             last = logger.log(run.round, metrics)

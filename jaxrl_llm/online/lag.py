@@ -32,6 +32,30 @@ def lag_metrics(lags: Sequence[int], batch_size: int) -> dict[str, float]:
     return out
 
 
+def token_lag_metrics(trained: Sequence[tuple[int, Sequence[Any]]]) -> dict[str, float]:
+    """In-flight weight updates (`online.inflight_weights`): the lag of every trained token
+    (update index − version of the weights that sampled it, from each record's metadata
+    `weight_versions` runs) over (update, records) pairs: min / mean / max, and how many
+    records span more than one version. No such records: no columns."""
+    lags: list[int] = []
+    spanning = 0
+    for update, records in trained:
+        for record in records:
+            runs = record.metadata.get("weight_versions")
+            if not runs:
+                continue
+            spanning += len(runs) > 1
+            ends = [start for _, start in runs[1:]] + [len(record.completion_ids)]
+            for (version, start), end in zip(runs, ends):
+                lags.extend([update - version] * (end - start))
+    if not lags:
+        return {}
+    return {"pipeline/token_lag_min": float(min(lags)),
+            "pipeline/token_lag_mean": float(sum(lags) / len(lags)),
+            "pipeline/token_lag_max": float(max(lags)),
+            "pipeline/inflight_records": float(spanning)}
+
+
 def side_seconds(*, sampler_busy: float, sampler_wait: float, trainer_busy: float,
                  trainer_wait: float, syncs: Sequence[float]) -> dict[str, float]:
     """The round's time columns of each side: busy (sampling + μ + transform / the train

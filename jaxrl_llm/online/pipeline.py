@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+from flax import nnx
 
 from jaxrl_llm.api import Policy, load_policy, transform_rewards
 from jaxrl_llm.core.errors import ConfigError
@@ -138,8 +139,11 @@ class SamplerSide:
         t1 = time.perf_counter()
         picked = [self.problems[i] for i in prompt_slice(position, o.prompts_per_round,
                                                          len(self.problems))]
+        swaps: list[float] = []
         records = self.policy.rollout(picked, n=g.n, seed=sampling_seed(self.config.seed, round_index),
-                                      group_offset=round_index * o.prompts_per_round)
+                                      group_offset=round_index * o.prompts_per_round,
+                                      **(self._in_flight(version, swaps) if o.inflight_weights
+                                         else {}))
         t2 = time.perf_counter()
         metrics = reward_metrics(records, g.n, o.pass_k)
         records, mismatch = self._mu(self, records)
@@ -152,7 +156,26 @@ class SamplerSide:
         return Sampled(round_index, version, (position + o.prompts_per_round) % len(self.problems),
                        split_batches(records, o.updates_per_round), metrics, self.mu_source,
                        {"seconds_sampling": t2 - t1, "seconds_scoring": t3 - t2,
-                        "sampler_busy": time.perf_counter() - t1, "sampler_wait": t1 - t0})
+                        "sampler_busy": time.perf_counter() - t1, "sampler_wait": t1 - t0,
+                        "inflight_swaps": float(len(swaps)), "inflight_swap_s": sum(swaps)})
+
+    def _in_flight(self, version: int, swaps: list[float]) -> dict[str, Any]:
+        """`Policy.rollout`'s in-flight keywords: before each decode segment, the newest
+        published weights if newer than those sampling (`swaps` gets each swap's seconds)."""
+        current = [version]
+
+        def newer() -> tuple[int, Any] | None:
+            v = self.weights.newest()
+            if v <= current[0]:
+                return None
+            t0 = time.perf_counter()
+            params, model_state = self.weights.take(v)
+            self.policy.state = self.policy.state.replace(params=params, model_state=model_state)
+            current[0] = v
+            swaps.append(time.perf_counter() - t0)
+            return v, nnx.split(self.policy.model)[1]
+
+        return dict(weights=newer, version=version)
 
     def run(self, first: int, last: int, position: int, out: queues.Queue[Any],
             stop: threading.Event) -> None:

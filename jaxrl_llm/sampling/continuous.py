@@ -19,6 +19,13 @@ slots refilled. Each slot's generated cache is cut to the narrowest of a few win
 (`window_ends`) that holds the longest running sample, and once no work waits the slots still
 running are gathered into fewer rows (`select_slots`), as the static sampler drops finished
 rows. Decode never waits for the longest sample of a batch nor for a whole prompt's prefill.
+
+In-flight weight updates (`generate(..., weights=hook)`, PipelineRL arXiv:2509.19128 §3): before
+each decode segment the hook may hand newer weights, and the segment runs on them; keys and
+values already cached stay as the older weights computed them. Every token's log-prob is that of
+the distribution that sampled it (the new weights over that cache), and
+`GenerationOutput.versions` says which weights sampled each token (a sample's first token: the
+weights that finished its prompt's prefill).
 """
 
 from __future__ import annotations
@@ -72,6 +79,16 @@ def default_prompt_rows(slots: int, n: int, staging_rows: int) -> int:
     slot-steps idle; 6 to 8 rows ran 13–17 % faster (benchmarks/continuous_batching.py)."""
     full = math.ceil(slots / n)
     return min(3 * full, max(full, slots // 2)) + staging_rows
+
+
+def version_runs(versions: Sequence[int]) -> list[list[int]]:
+    """A sample's per-token weight versions as [version, first token index] at each change
+    (JSON-able, short): [3, 3, 7, 7, 7] → [[3, 0], [7, 2]]."""
+    runs: list[list[int]] = []
+    for t, v in enumerate(int(x) for x in versions):
+        if not runs or runs[-1][0] != v:
+            runs.append([v, t])
+    return runs
 
 
 class ContinuousSampler(Sampler):
@@ -135,11 +152,17 @@ class ContinuousSampler(Sampler):
                  *, progress: bool = False, return_logits: bool = False,
                  on_batch: Callable[[int], None] | None = None,
                  on_segment: Callable[[int, int], None] | None = None,
-                 prompt_ids: Sequence[int] | None = None) -> GenerationOutput:
+                 prompt_ids: Sequence[int] | None = None,
+                 weights: Callable[[], tuple[int, Any] | None] | None = None,
+                 version: int = 0) -> GenerationOutput:
         """`Sampler.generate`'s contract. `on_segment(0, 0)` runs before the first prefill
         and `on_segment(0, t)` after each decode segment (t ≥ 1: the longest sample's tokens
         among those that ran in it);
-        `on_batch(k)` when k more prompts have all their samples. `progress` is unused."""
+        `on_batch(k)` when k more prompts have all their samples. `progress` is unused.
+        `weights`: called before each decode segment; None, or (v, state) to decode from then on
+        with `state` (an `nnx.split` state of the same model, e.g. a newer version v of its
+        weights); `version`: the version of the model's own weights. With a hook the output's
+        `versions` holds each token's version."""
         del progress
         prompts = self.checked_prompts(prompts, params)
         ids = self.checked_ids(prompt_ids, len(prompts))
@@ -167,6 +190,7 @@ class ContinuousSampler(Sampler):
                            staging=init_staging(self.model, p_rows, width, cache_dtype))
         store = init_store(self.model, k_rows, width, cache_dtype)
         host = dict(tokens=np.full((count * n, max_new), self.pad_token_id, np.int32),
+                    versions=np.full((count * n, max_new), version, np.int64),
                     logprobs=np.zeros((count * n, max_new), np.float32),
                     raw_logprobs=np.zeros((count * n, max_new), np.float32),
                     lengths=np.zeros(count * n, np.int32), stopped=np.zeros(count * n, bool))
@@ -180,6 +204,11 @@ class ContinuousSampler(Sampler):
         busy = np.zeros(self.slots, bool)
         slot_row = np.zeros(self.slots, np.int64)  # the output row of each slot's sample
         t_now = np.zeros(self.slots, np.int64)  # each slot's generated tokens
+        # the version of the weights that sampled each slot's tokens; of each stored prompt's
+        # prefill (its first token's); of the staged prompts' prefill
+        slot_versions = np.full((self.slots, max_new), version, np.int64)
+        row_version = [version] * k_rows
+        staged_version = version
         next_prompt = 0
         longest = max_new if not params.stop_token_ids else (
             self.segment_steps or max(8, math.ceil(max_new / 8)))
@@ -196,7 +225,7 @@ class ContinuousSampler(Sampler):
                     dest[:len(staged)] = free_rows
                     store = commit_staging(store, carry["staging"], jnp.asarray(dest))
                     for r, prompt in zip(free_rows, staged):
-                        held[r], given[r] = prompt, 0
+                        held[r], given[r], row_version[r] = prompt, 0, staged_version
                     staged = []
             if not staged and next_prompt < count:
                 staged = list(range(next_prompt, min(count, next_prompt + p_rows)))
@@ -214,12 +243,16 @@ class ContinuousSampler(Sampler):
                 for slot_index, r, _, sample in plan:
                     slot_row[slot_index] = held[r] * n + sample
                     t_now[slot_index] = 1
+                    slot_versions[slot_index, 0] = row_version[r]
                 busy[[p[0] for p in plan]] = True
+            if weights is not None and (newer := weights()) is not None:
+                version, state = newer  # PipelineRL's in-flight update (module docstring)
+                layer_params = fused_layer_params(graphdef, state)
             if not busy.any():
                 if staged and not ready:  # nothing decodes: the whole prefill now
                     carry = dict(carry, staging=prefill_staging(
                         graphdef, state, layer_params, carry["staging"], chunk=size["chunk"]))
-                    ready = True
+                    ready, staged_version = True, version
                     continue
                 if staged:  # every row is free when no slot runs
                     raise RuntimeError("continuous sampler: staged prompts found no store row")
@@ -230,6 +263,7 @@ class ContinuousSampler(Sampler):
                 keep = self._tail_rows(busy)  # the tail: fewer rows
                 carry = select_slots(carry, jnp.asarray(keep, jnp.int32))
                 busy, slot_row, t_now = busy[keep], slot_row[keep], t_now[keep]
+                slot_versions = slot_versions[keep]
             # The smallest window every running sample's next write (slot t - 1) fits in.
             top = int(t_now[busy].max())
             gen_len = next(e for e in ends if e >= top)
@@ -244,8 +278,13 @@ class ContinuousSampler(Sampler):
             slot = {name: host_array(carry["state"][name]) for name in ("active", "t", "stopped")}
             chunk_now, chunks = (int(host_array(carry["staging"][f])) for f in ("chunk", "chunks"))
             self.overlapped_chunks += chunk_now - chunks_before
+            if not ready and chunk_now >= chunks:
+                staged_version = version  # its last chunk (the first token's logits) ran now
             ready = chunk_now >= chunks
-            t_now = slot["t"].astype(np.int64)
+            t_new = slot["t"].astype(np.int64)
+            for i in np.flatnonzero(busy & (t_new > t_now)):
+                slot_versions[i, t_now[i]:t_new[i]] = version
+            t_now = t_new
             done = int(host_array(carry["steps"]))
             self.steps += done
             self.rows_decoded += len(busy) * done
@@ -261,6 +300,7 @@ class ContinuousSampler(Sampler):
                 for name, value in out.items():
                     host[name][rows] = value[finished]
                 host["lengths"][rows] = slot["t"][finished]
+                host["versions"][rows] = slot_versions[finished]
                 host["stopped"][rows] = slot["stopped"][finished]
                 busy[finished] = False
                 before = int(np.sum(done_per_prompt == n))
@@ -275,7 +315,7 @@ class ContinuousSampler(Sampler):
             lengths=host["lengths"],
             finish_reason=np.where(host["stopped"], FINISH_STOP, FINISH_LENGTH),
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-            logits=host.get("logits"))
+            logits=host.get("logits"), versions=host["versions"] if weights is not None else None)
 
     def _tail_rows(self, busy: np.ndarray) -> np.ndarray:
         """The slots to keep once no work waits: the busy ones, padded with free ones to a

@@ -118,6 +118,9 @@ class GenerationOutput:
     top_k: int
     top_p: float
     logits: np.ndarray | None = None  # [N, max_new, V] raw logits, only with return_logits
+    # [N, max_new] int: the weight version that sampled each token, only with in-flight weight
+    # updates (`ContinuousSampler.generate(weights=...)`)
+    versions: np.ndarray | None = None
 
     def completions(self) -> list[list[int]]:
         """Completion token lists without padding."""

@@ -228,3 +228,51 @@ def test_chunked_prefill_samples_what_a_whole_prompt_prefill_samples(model):
         ContinuousSampler(model, slots=4, prefill_chunk=0)
     with pytest.raises(ValueError, match=r"prompt_rows=1 must be >= the 2 prompts staged"):
         ContinuousSampler(model, slots=8, refill_slots=4, prompt_rows=1).layout(PROMPTS, 2)
+
+
+def test_in_flight_weight_updates_log_each_tokens_own_policy(model):
+    """PipelineRL's in-flight update (issue 43 item 6): new weights arrive between decode
+    segments of running samples. B differs from A only in the unembedding, so every cached key
+    and value is the same under both and a cache-free forward of each version is the exact
+    reference: token t's raw log-prob must be log π_{v_t}(y_t | prompt, y_<t) for the version
+    v_t the output names, the versions must run A…A B…B within a sample, some samples must
+    span both, and the tokens before the switch are those A alone samples (the noise of a
+    token is keyed by (prompt, sample, t), not by the weights)."""
+    config = DecoderConfig(**{**CONFIG.__dict__, "tie_embeddings": False})
+    graphdef, state_a = nnx.split(Decoder(config, rngs=nnx.Rngs(4)))
+    state_a = jax.tree.map(lambda x: x * 5.0 if x.ndim >= 2 else x, state_a)
+    model_a = nnx.merge(graphdef, state_a)
+    model_b = nnx.merge(graphdef, jax.tree.map(lambda x: x + 0, state_a))  # its own arrays
+    model_b.lm_head[...] = model_b.lm_head[...][::-1] * 1.5  # another head, the same cache
+    state_b = nnx.split(model_b)[1]
+    assert not np.allclose(model_a.lm_head[...], model_b.lm_head[...])
+    calls = []
+
+    def weights():
+        calls.append(len(calls))
+        return (7, state_b) if len(calls) == 3 else None  # before the third decode segment
+
+    params = _params(max_new_tokens=MAX_NEW, n=2)
+    sampler = ContinuousSampler(model_a, slots=4, segment_steps=2, prompt_buckets=(8,))
+    out = sampler.generate(PROMPTS, params, jax.random.key(5), weights=weights, version=3)
+    alone = ContinuousSampler(model_a, slots=4, segment_steps=2, prompt_buckets=(8,)).generate(
+        PROMPTS, params, jax.random.key(5))
+    assert out.versions is not None and alone.versions is None
+    forward = jax.jit(lambda m, tokens: m.logits(m(tokens)))
+    mixed = 0
+    for row, length in enumerate(out.lengths):
+        prompt = PROMPTS[int(out.prompt_index[row])]
+        seq = np.asarray([*prompt, *out.tokens[row, :length].tolist()], np.int32)[None]
+        versions = out.versions[row, :length]
+        assert set(versions.tolist()) <= {3, 7}
+        assert np.all(np.diff(versions) >= 0)  # A … A then B … B
+        mixed += len(set(versions.tolist())) == 2
+        logp = {v: np.asarray(jax.nn.log_softmax(forward(m, seq)[0], axis=-1), np.float64)
+                for v, m in ((3, model_a), (7, model_b))}
+        for t in range(length):
+            want = logp[int(versions[t])][len(prompt) - 1 + t, out.tokens[row, t]]
+            np.testing.assert_allclose(out.raw_logprobs[row, t], want, atol=2e-5)
+        before = int(np.sum(versions == 3))
+        np.testing.assert_array_equal(out.tokens[row, :before], alone.tokens[row, :before])
+    assert mixed >= 1, "no sample spans the update: the test would not see a switch"
+    assert 7 in out.versions[:, 0], "no sample started on the new weights"

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_llm.config import ConfigError, MeshConfig, config_from_dict
 from jaxrl_llm.eval.report import SERIES, write_report
@@ -239,3 +240,89 @@ def test_free_running_refuses_a_fixed_staleness(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="online.max_staleness"):
         run_free(config_from_dict(tree, schema=OnlineConfig), progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_in_flight_weights_from_the_cli_keep_the_bound_for_every_token(tmp_path: Path) -> None:
+    """`online.inflight_weights` (PipelineRL's in-flight updates) as a user runs it: the CLI,
+    free-running, the sampler on 4 of 8 devices taking newer weights between decode segments.
+    Which token meets which weights is timing, so what must hold in every run: every trained
+    token's lag (from its record's weight_versions) is within max_staleness, never negative,
+    and the sample accounting closes. That a swap logs each token's own policy is
+    tests/models/test_continuous_sampler.py's exact check; the hook's wiring is below."""
+    _needs_eight()
+    (tmp_path / "cli").mkdir()
+    write_yaml(tmp_path / "cli/online.yaml", tiny(
+        "run", mesh={"data": 2, "fsdp": 2}, generate={"max_new_tokens": 32},
+        train={"max_seq_len": 256},
+        online={"rounds": 5, "pipeline": "free", "max_staleness": 2, "sampler_devices": 4,
+                "inflight_weights": True, "mu_source": "sampler"}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               JAXRL_PROGRESS_INTERVAL_S="0")
+    proc = subprocess.run([sys.executable, "-m", "jaxrl_llm.cli", "online", "--config",
+                           "online.yaml"], cwd=tmp_path / "cli", env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metric_rows(tmp_path / "cli/run")
+    assert [r["updates"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        assert 0 <= r["pipeline/token_lag_min"] <= r["pipeline/token_lag_mean"]
+        assert r["pipeline/token_lag_mean"] <= r["pipeline/token_lag_max"] <= 2  # the bound
+        assert r["pipeline/token_lag_max"] <= r["pipeline/lag_max"]  # oldest token = batch's
+        assert r["pipeline/inflight_swaps"] >= 0 and r["pipeline/inflight_swap_s"] >= 0
+        assert r["pipeline/received_total"] == (r["pipeline/trained_total"]
+                                                + r["pipeline/dropped_total"]
+                                                + r["pipeline/waiting"])
+
+
+@pytest.mark.parametrize(("online", "generate", "message"), [
+    ({"pipeline": "deterministic", "staleness": 1}, {}, "set online.pipeline: free"),
+    ({"pipeline": "free"}, {}, "mu_source=auto.*set online.mu_source: sampler"),
+    ({"pipeline": "free", "mu_source": "sampler"}, {"batching": "static"},
+     "set generate.batching: continuous"),
+])
+def test_in_flight_weights_are_refused_where_they_cannot_hold(tmp_path: Path, online: dict,
+                                                              generate: dict, message: str) -> None:
+    tree = tiny(tmp_path / "bad", generate=generate,
+                online={**online, "inflight_weights": True, "sampler_devices": 1})
+    run = run_free if online["pipeline"] == "free" else run_pipeline
+    with pytest.raises(ConfigError, match=f"inflight_weights=true cannot run: .*{message}"):
+        run(config_from_dict(tree, schema=OnlineConfig), progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_api_rollout_tags_each_token_with_the_weights_that_sampled_it() -> None:
+    """The wiring the sampler side uses (`Policy.rollout(weights=…)`): weights handed over
+    before the first segment sample every token (records equal a rollout of those weights,
+    weight_versions [[1, 0]]); handed over later, the tokens before the swap are the old
+    weights' and the records name both versions in order."""
+    from jaxrl_llm.api import load_policy
+
+    tree = tiny("unused", generate={"max_new_tokens": 24, "n": 2})
+    del tree["online"]  # an experiment config: the API's
+    old = load_policy(config=config_from_dict(tree))
+    new = load_policy(config=config_from_dict({**tree, "seed": 11}))  # other weights, same shapes
+    new_state = nnx.split(new.model)[1]
+    problems = old.task.load(split="train", num=3, seed=0)
+    reference = new.rollout(problems, seed=5)
+
+    def at_call(k):
+        calls = []
+
+        def hook():
+            calls.append(None)
+            return (1, new_state) if len(calls) == k else None
+        return hook
+
+    first = old.rollout(problems, seed=5, weights=at_call(1), version=0)
+    assert [r.metadata["weight_versions"] for r in first] == [[[1, 0]]] * len(first)
+    for a, b in zip(first, reference, strict=True):
+        np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+        np.testing.assert_allclose(a.raw_logprobs, b.raw_logprobs, atol=1e-5)
+    plain = old.rollout(problems, seed=5)
+    late = old.rollout(problems, seed=5, weights=at_call(3), version=0)
+    runs = [r.metadata["weight_versions"] for r in late]
+    assert all(v[0][1] == 0 and [x for x, _ in v] in ([0], [1], [0, 1]) for v in runs), runs
+    assert any(len(v) == 2 for v in runs), runs  # some sample spans the swap
+    for record, same, v in zip(late, plain, runs, strict=True):
+        before = v[1][1] if len(v) == 2 else (len(record.completion_ids) if v[0][0] == 0 else 0)
+        np.testing.assert_array_equal(record.completion_ids[:before], same.completion_ids[:before])
