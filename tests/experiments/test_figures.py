@@ -43,7 +43,6 @@ PENDING = {
     "topr_baseline.png": _BEFORE.format("2026-11-24"),
     "topr_baseline_quickstart.png": _BEFORE.format("2026-11-26"),
     "topr_baseline_quickstart_lr_per_loss.png": _BEFORE.format("2026-11-26"),
-    "topr_offline_240steps.png": _BEFORE.format("2026-11-23"),
 }
 COMMITTED = sorted(p.stem for p in RESULTS.glob("*.json"))
 
