@@ -242,6 +242,7 @@ def test_free_running_refuses_a_fixed_staleness(tmp_path: Path) -> None:
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # a CLI subprocess on 8 devices (~15 s): the default suite's budget
 def test_in_flight_weights_from_the_cli_keep_the_bound_for_every_token(tmp_path: Path) -> None:
     """`online.inflight_weights` (PipelineRL's in-flight updates) as a user runs it: the CLI,
     free-running, the sampler on 4 of 8 devices taking newer weights between decode segments.
