@@ -34,7 +34,6 @@ PENDING = {
     "offline_epochs.png": _BEFORE.format("2026-11-26") + "; its legend says 'seed 0 only' for "
     "GSPO, IcePop, M2PO, VESPO, which now have 3 seeds (claim 8's re-run redraws it)",
     "offline_epochs_four_stale_losses.png": _BEFORE.format("2026-11-26"),
-    "pkpo_iterated.png": _BEFORE.format("2026-11-24"),
     "pkpo_online.png": _BEFORE.format("2026-11-26"),
     "pkpo_online_lr1e-4.png": _BEFORE.format("2026-11-26"),
     "pkpo_online_lr5e-4.png": _BEFORE.format("2026-11-26"),
@@ -70,9 +69,13 @@ def png_text_chunks(path: Path) -> dict[str, str]:
 
 
 def numeric_lists(obj) -> list[np.ndarray]:
-    """Every list of ≥ 2 numbers anywhere in the JSON."""
+    """Every list of ≥ 2 numbers anywhere in the JSON, and the keys of every object keyed by
+    ≥ 2 integers in their order (pass@k by k: {"1": …, "2": …} draws k = 1, 2, … on x)."""
     if isinstance(obj, dict):
-        return [a for v in obj.values() for a in numeric_lists(v)]
+        keys = [k.lstrip("-") for k in obj]
+        own = ([np.asarray([int(k) for k in obj], dtype=np.float64)]
+               if len(obj) >= 2 and all(k.isdigit() for k in keys) else [])
+        return own + [a for v in obj.values() for a in numeric_lists(v)]
     if isinstance(obj, list):
         if len(obj) >= 2 and all(isinstance(x, int | float) and not isinstance(x, bool)
                                  for x in obj):
