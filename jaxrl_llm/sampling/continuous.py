@@ -20,7 +20,7 @@ slots refilled. Each slot's generated cache is cut to the narrowest of a few win
 running are gathered into fewer rows (`select_slots`), as the static sampler drops finished
 rows. Decode never waits for the longest sample of a batch nor for a whole prompt's prefill.
 
-In-flight weight updates (`generate(..., weights=hook)`, PipelineRL arXiv:2509.19128 §3): before
+In-flight weight updates (`generate(..., weights=hook)`, PipelineRL, arXiv:2509.19128): before
 each decode segment the hook may hand newer weights, and the segment runs on them; keys and
 values already cached stay as the older weights computed them. Every token's log-prob is that of
 the distribution that sampled it (the new weights over that cache), and
