@@ -38,7 +38,6 @@ PENDING = {
     "pkpo_online_lr5e-4.png": _BEFORE.format("2026-11-26"),
     "staleness.png": _BEFORE.format("2026-11-26"),
     "staleness_lr1e-4_cpu.png": _BEFORE.format("2026-11-26"),
-    "topr_baseline.png": _BEFORE.format("2026-11-24"),
     "topr_baseline_quickstart.png": _BEFORE.format("2026-11-26"),
     "topr_baseline_quickstart_lr_per_loss.png": _BEFORE.format("2026-11-26"),
 }
