@@ -84,8 +84,10 @@ def jax_runner(model_dir: str, name: str, conc: int, vocab: int, args):
                                              compute_dtype="bfloat16")
     model = _MODELS[model_dir]
     _, n, temp, new, mean = WORKLOADS[name]
+    shapes = {k: v for k, v in (("cache_windows", args.cache_windows),
+                                ("min_rows", args.min_rows)) if v is not None}
     sampler = ContinuousSampler(model, slots=conc, pad_token_id=PAD,
-                                prefill_chunk=args.prefill_chunk)
+                                prefill_chunk=args.prefill_chunk, **shapes)
     params = SamplingParams(max_new_tokens=new, temperature=temp, n=n,
                             stop_token_ids=stop_ids(vocab, mean))
     prompts = prompts_for(name, conc, vocab)
@@ -187,6 +189,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--prefill-chunk", type=int, default=128)
+    # Fewer compiled shapes for a short GPU loan: each cache window and tail row count is its
+    # own full-model decode program (59 compiles, 6 of them decode programs, at 256 slots on
+    # the long tail); on a GPU a wider window or more rows per step cost little.
+    ap.add_argument("--cache-windows", type=int, default=None,
+                    help="ContinuousSampler cache_windows (default: its own)")
+    ap.add_argument("--min-rows", type=int, default=None,
+                    help="ContinuousSampler min_rows (default: its own; = --concurrency: "
+                         "the tail never shrinks)")
     ap.add_argument("--frameworks", nargs="+", default=["jax", "torch"])
     ap.add_argument("--timeout", type=float, default=None, help="seconds per child")
     ap.add_argument("--smoke", action="store_true", help="tiny shape and sizes, any device")
@@ -198,7 +208,10 @@ def main() -> None:
         return
     if args.smoke:
         args.shapes, args.concurrency, args.runs = ["tiny"], 16, 1
-    results: dict = {"concurrency": args.concurrency, "versions": versions(), "shapes": {}}
+    results: dict = {"concurrency": args.concurrency, "versions": versions(), "shapes": {},
+                     "sampler_options": {"prefill_chunk": args.prefill_chunk,
+                                         "cache_windows": args.cache_windows,
+                                         "min_rows": args.min_rows}}
     device = "unknown"
     for shape_name in args.shapes:
         with tempfile.TemporaryDirectory() as model_dir:
