@@ -33,8 +33,6 @@ PENDING = {
     "offline_epochs.png": _BEFORE.format("2026-11-26") + "; its legend says 'seed 0 only' for "
     "GSPO, IcePop, M2PO, VESPO, which now have 3 seeds (claim 8's re-run redraws it)",
     "offline_epochs_four_stale_losses.png": _BEFORE.format("2026-11-26"),
-    "pkpo_online_lr1e-4.png": _BEFORE.format("2026-11-26"),
-    "pkpo_online_lr5e-4.png": _BEFORE.format("2026-11-26"),
     "staleness.png": _BEFORE.format("2026-11-26"),
     "staleness_lr1e-4_cpu.png": _BEFORE.format("2026-11-26"),
     "topr_baseline_quickstart.png": _BEFORE.format("2026-11-26"),
