@@ -20,6 +20,7 @@ def _run(tmp_path: Path, name: str, **sections) -> list[dict]:
     return metric_rows(tmp_path / name)
 
 
+@pytest.mark.slow  # moved out of the default suite (10 min 27 s on 2026-11-28); CI runs it (16 s)
 def test_staleness_zero_is_on_policy_and_one_is_not(tmp_path: Path) -> None:
     # μ re-scored by the weights that sampled: at s = 0 the trained policy IS the sampler, so
     # the step's log π − log μ is ~0 at every update; at s = 1 it is 0 only while the batch

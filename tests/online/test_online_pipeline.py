@@ -203,6 +203,7 @@ def test_the_serial_loop_refuses_a_split_placement_instead_of_ignoring_it(tmp_pa
         run_online(config_from_dict(tree, schema=OnlineConfig), progress=False)
 
 
+@pytest.mark.slow  # moved out of the default suite (10 min 27 s on 2026-11-28); CI runs it (16 s)
 def test_free_running_keeps_the_bound_and_accounts_for_every_sample(tmp_path: Path) -> None:
     # Not reproducible (which batch meets which weights is timing): the bound and the
     # accounting are what hold in every run. max_staleness 0: a batch trains only on the

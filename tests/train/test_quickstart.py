@@ -27,6 +27,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow  # moved out of the default suite (10 min 27 s on 2026-11-28); CI runs it (30 s)
 def test_quickstart_tiny_end_to_end_then_rerun_skips(tmp_path, capsys):
     run_dir = tmp_path / "qs"
     assert cli_main(["quickstart", "--no-progress", f"run_dir={run_dir}", *TINY]) == 0

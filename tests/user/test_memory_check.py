@@ -61,6 +61,7 @@ def _gib(text: str, label: str) -> float:
     return float(re.search(label + r" ([\d.]+) GiB", text).group(1))
 
 
+@pytest.mark.slow  # moved out of the default suite (10 min 27 s on 2026-11-28); CI runs it (16 s)
 def test_train_that_cannot_fit_is_refused_before_step_1_with_figure_and_fix(cwd: Path) -> None:
     # an explicit micro-batch size: refused at once (test_smollm2_… below: micro-batches picked)
     done = jaxrl(cwd, "train", "--config", "c.yaml", "--no-progress", "train.micro_batch_size=8",
