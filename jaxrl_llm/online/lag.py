@@ -37,7 +37,7 @@ def token_lag_metrics(trained: Sequence[tuple[int, Sequence[Any]]]) -> dict[str,
     (update index − version of the weights that sampled it, from each record's metadata
     `weight_versions` runs) over (update, records) pairs: min / mean / max, and how many
     records span more than one version. No such records: no columns."""
-    lags: list[int] = []
+    lag_by_tokens: Counter[int] = Counter()  # lag → trained tokens at that lag
     spanning = 0
     for update, records in trained:
         for record in records:
@@ -47,12 +47,13 @@ def token_lag_metrics(trained: Sequence[tuple[int, Sequence[Any]]]) -> dict[str,
             spanning += len(runs) > 1
             ends = [start for _, start in runs[1:]] + [len(record.completion_ids)]
             for (version, start), end in zip(runs, ends):
-                lags.extend([update - version] * (end - start))
-    if not lags:
+                lag_by_tokens[update - version] += end - start
+    tokens = sum(lag_by_tokens.values())
+    if not tokens:
         return {}
-    return {"pipeline/token_lag_min": float(min(lags)),
-            "pipeline/token_lag_mean": float(sum(lags) / len(lags)),
-            "pipeline/token_lag_max": float(max(lags)),
+    return {"pipeline/token_lag_min": float(min(lag_by_tokens)),
+            "pipeline/token_lag_mean": sum(k * c for k, c in lag_by_tokens.items()) / tokens,
+            "pipeline/token_lag_max": float(max(lag_by_tokens)),
             "pipeline/inflight_records": float(spanning)}
 
 

@@ -282,8 +282,9 @@ class ContinuousSampler(Sampler):
                 staged_version = version  # its last chunk (the first token's logits) ran now
             ready = chunk_now >= chunks
             t_new = slot["t"].astype(np.int64)
-            for i in np.flatnonzero(busy & (t_new > t_now)):
-                slot_versions[i, t_now[i]:t_new[i]] = version
+            if weights is not None:  # without a hook every token is `version`'s
+                for i in np.flatnonzero(busy & (t_new > t_now)):
+                    slot_versions[i, t_now[i]:t_new[i]] = version
             t_now = t_new
             done = int(host_array(carry["steps"]))
             self.steps += done

@@ -67,6 +67,15 @@ def test_weights_version_is_what_the_serial_queue_does(per_round: int, staleness
     assert max(lags) == staleness + per_round - 1  # batch j of a round is j updates older
 
 
+def _cli_online(cwd: Path) -> subprocess.CompletedProcess:
+    """`jaxrl-llm online --config online.yaml` run from `cwd`, as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               JAXRL_PROGRESS_INTERVAL_S="0")
+    return subprocess.run([sys.executable, "-m", "jaxrl_llm.cli", "online", "--config",
+                           "online.yaml"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
 def _needs_eight() -> None:
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
@@ -90,11 +99,7 @@ def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: 
         "run", mesh={"data": 2, "fsdp": 2}, train={**keep, "eval_every": 2},
         eval={"n": 2, "num_questions": 4, "max_new_tokens": 8, "split": "test"},
         online={**online, "pipeline": "deterministic", "sampler_devices": 4}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               JAXRL_PROGRESS_INTERVAL_S="0")
-    proc = subprocess.run([sys.executable, "-m", "jaxrl_llm.cli", "online", "--config",
-                           "online.yaml"], cwd=tmp_path / "cli", env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = _cli_online(tmp_path / "cli")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # a progress line per side
     assert "sampler: 6/6" in proc.stderr and "trainer: 4/4" in proc.stderr, proc.stderr[-2000:]
@@ -258,11 +263,7 @@ def test_in_flight_weights_from_the_cli_keep_the_bound_for_every_token(tmp_path:
         train={"max_seq_len": 256},
         online={"rounds": 5, "pipeline": "free", "max_staleness": 2, "sampler_devices": 4,
                 "inflight_weights": True, "mu_source": "sampler"}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               JAXRL_PROGRESS_INTERVAL_S="0")
-    proc = subprocess.run([sys.executable, "-m", "jaxrl_llm.cli", "online", "--config",
-                           "online.yaml"], cwd=tmp_path / "cli", env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = _cli_online(tmp_path / "cli")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metric_rows(tmp_path / "cli/run")
     assert [r["updates"] for r in rows] == [1, 2, 3, 4, 5]
@@ -328,3 +329,19 @@ def test_the_api_rollout_tags_each_token_with_the_weights_that_sampled_it() -> N
     for record, same, v in zip(late, plain, runs, strict=True):
         before = v[1][1] if len(v) == 2 else (len(record.completion_ids) if v[0][0] == 0 else 0)
         np.testing.assert_array_equal(record.completion_ids[:before], same.completion_ids[:before])
+
+
+def test_token_lag_metrics_count_each_token_at_its_own_version() -> None:
+    """By hand: trained at update 6, a 5-token record sampled by θ_3 (tokens 0–1) and θ_5
+    (2–4) has token lags 3, 3, 1, 1, 1; a 2-token record of θ_6 alone at update 7 adds 1, 1."""
+    from jaxrl_llm.data.records import Record
+    from jaxrl_llm.online.lag import token_lag_metrics
+
+    def rec(length: int, runs: list[list[int]]) -> Record:
+        return Record(prompt_ids=[1], completion_ids=[2] * length, reward=0.0,
+                      metadata={"weight_versions": runs})
+
+    out = token_lag_metrics([(6, [rec(5, [[3, 0], [5, 2]])]), (7, [rec(2, [[6, 0]])])])
+    assert out == {"pipeline/token_lag_min": 1.0, "pipeline/token_lag_mean": 11 / 7,
+                   "pipeline/token_lag_max": 3.0, "pipeline/inflight_records": 1.0}
+    assert token_lag_metrics([(1, [Record(prompt_ids=[1], completion_ids=[2], reward=0.0)])]) == {}
