@@ -26,19 +26,20 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
             f"online.pipeline=free bounds the lag with online.max_staleness, not "
             f"online.staleness={o.staleness} (no fixed queue): set online.staleness: 0 and "
             "online.max_staleness, or use online.pipeline: deterministic")
-    if o.inflight_weights:
-        why = ("online.pipeline is not free: the other modes sample each round with fixed "
-               "weights (set online.pipeline: free)" if o.pipeline != "free" else
-               f"online.mu_source={o.mu_source}: a re-score would give every token the newest "
-               "weights' log-probs, not those of the weights that sampled it (set "
-               "online.mu_source: sampler)" if o.mu_source != "sampler" else
-               "online.exchange is set: rollout workers sample whole rounds with one published "
-               "version (unset online.exchange)" if o.exchange else
-               "generate.batching=static: weights change between decode segments of the "
-               "continuous sampler (set generate.batching: continuous)"
-               if config.generate.batching != "continuous" else "")
-        if why:
-            raise ConfigError(f"online.inflight_weights=true cannot run: {why}")
+    inflight_blockers = [  # (it cannot run because …, the fix)
+        (o.pipeline != "free", "the other pipeline modes sample each round with fixed weights",
+         "set online.pipeline: free"),
+        (o.mu_source != "sampler", f"online.mu_source={o.mu_source}: a re-score would give "
+         "every token the newest weights' log-probs, not those of the weights that sampled it",
+         "set online.mu_source: sampler"),
+        (bool(o.exchange), "online.exchange is set: rollout workers sample whole rounds with one "
+         "published version", "unset online.exchange"),
+        (config.generate.batching != "continuous", "generate.batching=static: weights change "
+         "between decode segments of the continuous sampler", "set generate.batching: continuous"),
+    ]
+    for blocked, why, fix in inflight_blockers if o.inflight_weights else []:
+        if blocked:
+            raise ConfigError(f"online.inflight_weights=true cannot run: {why} ({fix})")
     if o.exchange and (o.pipeline == "off" or o.sampler_devices):
         raise ConfigError(
             f"online.exchange={o.exchange} runs the sampler in worker processes: set "
