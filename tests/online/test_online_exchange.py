@@ -29,6 +29,7 @@ from tests.online.helpers import metric_rows, tiny, write_yaml
 from tests.reliability import record
 
 
+@pytest.mark.slow
 def test_trainer_and_worker_processes_equal_the_serial_loop_bit_for_bit(tmp_path: Path) -> None:
     # The README's two command lines, run as they are in a working directory of relative
     # paths (run/, exchange/), against `jaxrl-llm online` serial on the same config.

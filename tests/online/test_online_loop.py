@@ -43,6 +43,7 @@ def test_staleness_zero_is_on_policy_and_one_is_not(tmp_path: Path) -> None:
     assert max(r["mu_mismatch_max"] for r in on) < 1e-4
 
 
+@pytest.mark.slow
 def test_auto_mu_source_keeps_sampler_logprobs_within_the_bound(tmp_path: Path) -> None:
     rows = _run(tmp_path, "auto", online={"rounds": 2})
     assert rows[0]["mu_from_sampler"] == 1.0 and rows[0]["mu_mismatch_max"] < 1e-4

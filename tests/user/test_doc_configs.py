@@ -129,7 +129,13 @@ def _run(tmp_path: Path, where: tuple[str, str], overrides: list[str]) -> None:
         assert (tmp_path / run.writes / "manifest.json").exists(), (run.writes, done.stdout)
 
 
-@pytest.mark.parametrize("where", sorted(RUNS), ids=lambda w: f"{w[0]}:{w[1]}")
+# The README's block runs in the default suite; the docs pages' blocks (the same `generate`
+# stage on other task sources, ≈ 12 s each) with the slow tests.
+SLOW_RUNS = {("docs/tasks.md", "data:"), ("docs/custom_tasks.md", "data:")}
+
+
+@pytest.mark.parametrize("where", [pytest.param(w, marks=pytest.mark.slow) if w in SLOW_RUNS else w
+                                   for w in sorted(RUNS)], ids=lambda w: f"{w[0]}:{w[1]}")
 def test_config_block_runs_its_first_stage(tmp_path: Path, where: tuple[str, str]) -> None:
     _run(tmp_path, where, RUNS[where].overrides)
 

@@ -19,6 +19,7 @@ from tests.user.cli import SMOLLM2_CONFIG, jaxrl
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_config_shows_the_architecture_of_the_packaged_model(tmp_path: Path) -> None:
     from gguf import GGUFReader
 

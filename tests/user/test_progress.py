@@ -67,6 +67,7 @@ def test_every_stage_prints_progress_lines_in_a_log(tmp_path: Path) -> None:
     assert exported[-1][0] == exported[-1][1] > 10  # every tensor of the model
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_a_tqdm_bar(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text(CONFIG)
     leader, follower = pty.openpty()

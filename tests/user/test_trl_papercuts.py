@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.user.cli import jaxrl
@@ -38,6 +39,7 @@ def test_task_paths_are_absolute_in_the_resolved_config(tmp_path: Path) -> None:
     assert yaml.safe_load(done.stdout)["data"]["task_path"] == "hf://openai/gsm8k:main"
 
 
+@pytest.mark.slow
 def test_checkpointing_commands_print_no_orbax_type_handler_warning(tmp_path: Path) -> None:
     from jaxrl_llm.data.shards import write_records
     from tests.data.helpers import make_records
