@@ -35,7 +35,6 @@ PENDING = {
     "offline_epochs_four_stale_losses.png": _BEFORE.format("2026-11-26"),
     "staleness.png": _BEFORE.format("2026-11-26"),
     "staleness_lr1e-4_cpu.png": _BEFORE.format("2026-11-26"),
-    "topr_baseline_quickstart_lr_per_loss.png": _BEFORE.format("2026-11-26"),
 }
 COMMITTED = sorted(p.stem for p in RESULTS.glob("*.json"))
 
