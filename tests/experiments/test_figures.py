@@ -30,9 +30,6 @@ RESULTS = EXPERIMENTS / "results"
 _BEFORE = "drawn on {} before results were committed; redraw when re-run"
 # figure → why it has no committed results file (experiments/README.md lists the same ones)
 PENDING = {
-    "offline_epochs.png": _BEFORE.format("2026-11-26") + "; its legend says 'seed 0 only' for "
-    "GSPO, IcePop, M2PO, VESPO, which now have 3 seeds (claim 8's re-run redraws it)",
-    "offline_epochs_four_stale_losses.png": _BEFORE.format("2026-11-26"),
     "staleness.png": _BEFORE.format("2026-11-26"),
     "staleness_lr1e-4_cpu.png": _BEFORE.format("2026-11-26"),
 }
