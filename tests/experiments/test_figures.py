@@ -31,7 +31,6 @@ _BEFORE = "drawn on {} before results were committed; redraw when re-run"
 # figure → why it has no committed results file (experiments/README.md lists the same ones)
 PENDING = {
     "staleness.png": _BEFORE.format("2026-11-26"),
-    "staleness_lr1e-4_cpu.png": _BEFORE.format("2026-11-26"),
 }
 COMMITTED = sorted(p.stem for p in RESULTS.glob("*.json"))
 
