@@ -37,8 +37,8 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
         (config.generate.batching != "continuous", "generate.batching=static: weights change "
          "between decode segments of the continuous sampler", "set generate.batching: continuous"),
     ]
-    for blocked, why, fix in inflight_blockers if o.inflight_weights else []:
-        if blocked:
+    for blocked, why, fix in inflight_blockers:
+        if o.inflight_weights and blocked:
             raise ConfigError(f"online.inflight_weights=true cannot run: {why} ({fix})")
     if o.exchange and (o.pipeline == "off" or o.sampler_devices):
         raise ConfigError(
