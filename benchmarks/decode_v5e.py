@@ -4,6 +4,10 @@ train step), for an 8B Llama-3-shaped model in bfloat16 at 256 concurrent sequen
 8,192-token contexts (a 1,024-token prompt slot width + 7,168 generated slots per sequence),
 n = 8 samples per prompt over the shared prompt cache (64 store rows, 8 staged prompts
 prefilled 256 tokens per chunk beside each decode step); prints and writes the per-chip memory.
+The decode program gets the per-layer fused weights the sampler builds once per call
+(`decode_program.fused_layer_params`: its layers run unrolled, each on its own cache buffer),
+compiled the same way; its arguments hold them beside the model's stacked weights, as the
+sampler's do.
 
 Sharding: the weights by the project's rules (`parallel/rules.py`) on a (data, fsdp, tensor)
 mesh; the slots', store's and staging rows over data × fsdp and the KV heads over tensor, so
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,7 +39,7 @@ from jaxrl_llm.parallel.memory import program_memory
 from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.parallel.rules import state_shardings
 from jaxrl_llm.plan import _tpu_devices
-from jaxrl_llm.sampling.decode_program import Program
+from jaxrl_llm.sampling.decode_program import Program, fused_layer_params
 from jaxrl_llm.sampling.prompt_cache import init_staging, init_store, kv_bytes_per_sequence
 from jaxrl_llm.sampling.slot_program import decode_slots, init_slots
 
@@ -50,8 +56,8 @@ def carry_sharding(path, leaf, mesh) -> NamedSharding:
     name = jax.tree_util.keystr(path)
     if leaf.ndim == 0:
         return NamedSharding(mesh, P())
-    if name.endswith((".k", ".v", "['k']", "['v']")):  # [L, R, Hkv, D, S] / [L, R, Hkv, S, D]
-        return NamedSharding(mesh, P(None, rows, "tensor"))
+    if re.search(r"(\['[kv]'\]|\.[kv])\[\d+\]$", name):  # a layer's [R, Hkv, D, S] / [R, Hkv, S, D]
+        return NamedSharding(mesh, P(rows, "tensor"))
     return NamedSharding(mesh, P(rows))
 
 
@@ -95,14 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
     start = time.perf_counter()
     with jax.set_mesh(mesh):
+        fused = fused_layer_params.lower(graphdef, state).compile()
+        layer_params = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(lambda st: fused_layer_params(graphdef, st), state),
+            fused.output_shardings)
         lowered = decode_slots.lower(
-            graphdef, state, None, carry, store, scalar(jnp.int32), scalar(jnp.int32),
+            graphdef, state, layer_params, carry, store, scalar(jnp.int32), scalar(jnp.int32),
             scalar(jnp.float32), scalar(jnp.float32),
             jax.ShapeDtypeStruct((1,), jnp.int32, sharding=NamedSharding(mesh, P())),
             program=program, pad_token_id=0, return_logits=False, chunk=args.chunk)
         compiled = lowered.compile()
     seconds = time.perf_counter() - start
     memory = program_memory(compiled)
+    # jit drops the stacked layer weights (unused beside the per-layer copy) from the
+    # program's arguments; the sampler's caller still holds them: resident = peak + these.
+    per_chip = lambda tree: sum(
+        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        for a in jax.tree.leaves(tree))
+    stacked = per_chip(state["layers"])
     figure = dict(itemsize=2, prompt_width=args.prompt, max_new_tokens=max_new,
                   slots=args.slots, prompt_rows=args.store_rows, staging_rows=args.staged)
     kv = kv_bytes_per_sequence(config, **figure)
@@ -113,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         store_rows=args.store_rows, staged=args.staged, chunk=args.chunk, compile_s=seconds,
         per_chip_gib=dict(arguments=memory.argument / 2**30, outputs=memory.output / 2**30,
                           aliased=memory.alias / 2**30, temporaries=memory.temp / 2**30,
-                          peak=memory.peak / 2**30),
+                          peak=memory.peak / 2**30,
+                          layer_weights_copy=per_chip(layer_params) / 2**30,
+                          stacked_layer_weights=stacked / 2**30,
+                          resident=(memory.peak + stacked) / 2**30),
         kv_cache_gib_total=kv * args.slots / 2**30, kv_bytes_per_sequence=kv,
         kv_bytes_per_sequence_copied=copied)
     print(json.dumps(result, indent=2))

@@ -72,8 +72,9 @@ class ModelConfig(Section):
         "(needs scan_layers); default: full for pretrained sources (hf, gguf, smollm2), none "
         "for random")
     scan_layers: bool = Field(
-        False, description="run the layers under one jax.lax.scan (stacked weights); default: "
-        "true for pretrained sources, false for random")
+        False, description="run the layers under one jax.lax.scan (stacked weights) in the "
+        "training and scoring forward passes (sampling always decodes them unrolled); "
+        "default: true for pretrained sources, false for random")
     lora: LoraConfig | None = None  # None: full fine-tuning
     # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU;
     # ring: with mesh.context > 1, keys/values passed round the context axis instead of

@@ -11,11 +11,13 @@ the fix (`parallel/memory.py`).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.parallel.memory import (
@@ -31,17 +33,28 @@ from jaxrl_llm.sampling.sampler import Sampler, default_bucket, sampling_bytes
 BATCHING = ("continuous", "static")
 
 
+def decode_weights_bytes(model: Any) -> int:
+    """Bytes per device of the layer weights' decode copy (`Decoder.decode_layer_params`,
+    built once per sampling call: fused projections, one tree per layer), counted as the
+    whole layer weights (a scanned model's are all copied; an unrolled one's fused
+    projections, most of them)."""
+    layers = nnx.state(model.layers, nnx.Param)
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               if hasattr(a, "sharding") else a.nbytes for a in jax.tree.leaves(layers))
+
+
 def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
                       max_new_tokens: int, key: str, cache_itemsize: int = 4,
                       say: Callable[[str], None] | None = None) -> int:
-    """The largest prompt batch ≤ `batch_size` (halving) whose sampling memory fits; `key`
-    names the config key of the batch size in the messages."""
+    """The largest prompt batch ≤ `batch_size` (halving) whose sampling memory fits, beside
+    the decode copy of the layer weights (`decode_weights_bytes`); `key` names the config key
+    of the batch size in the messages."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_kv_heads"):
         return batch_size  # not a Decoder (test models): nothing to estimate
     say = say or (lambda text: print(text, file=sys.stderr))
     available = available_memory(jax.devices()[0])
-    overhead = HOST_OVERHEAD if available.host else 0
+    overhead = (HOST_OVERHEAD if available.host else 0) + decode_weights_bytes(model)
 
     def need(prompts: int) -> int:
         est = sampling_bytes(config, prompts=prompts, n=n, prompt_len=prompt_len,
@@ -55,7 +68,8 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
         raise InsufficientMemory(
             f"sampling {n} completions of up to {max_new_tokens} tokens after a "
             f"{prompt_len}-token prompt needs about {gib(need(1))} even one prompt at a time "
-            f"(KV cache and logits, estimated); {gib(available.bytes)} is {available.where}. "
+            f"(KV cache, logits and the decode copy of the layer weights, estimated); "
+            f"{gib(available.bytes)} is {available.where}. "
             "Lower the samples per prompt (generate.n / eval.n), the new tokens "
             "(generate.max_new_tokens / eval.max_new_tokens) or the prompt (e.g. "
             "data.task_options: {num_shots: 0})")

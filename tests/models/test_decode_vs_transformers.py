@@ -1,5 +1,6 @@
-"""The sampler's decode path (KV cache in its transposed layouts, per-layer or stacked buffers,
-q/k/v and gate/up fused into one matmul each) against transformers' PyTorch forward.
+"""The sampler's decode path (KV cache in its transposed layouts, one buffer per layer, q/k/v
+and gate/up fused into one matmul each, layers unrolled even for a scanned model) against
+transformers' PyTorch forward.
 
 For each family feature the fused projections must carry (q/k/v biases, Qwen3 q/k norms,
 YaRN's scaled cos/sin, Gemma 2's soft-caps and sliding window, Mistral's window), with unrolled
@@ -24,6 +25,7 @@ from jaxrl_llm.models.config import DecoderConfig
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.models.layers import fuse_projections
 from jaxrl_llm.models.lora import LoraSpec
+from jaxrl_llm.sampling.build import decode_weights_bytes
 from jaxrl_llm.sampling.continuous import ContinuousSampler
 from jaxrl_llm.sampling.sampler import Sampler, SamplingParams
 from jaxrl_llm.weights.hf import load_pretrained
@@ -75,10 +77,14 @@ def test_sampled_logits_equal_transformers_full_forward(tmp_path, name, scan):
             np.testing.assert_allclose(out.logits[row], expected, atol=ATOL, rtol=0)
             # greedy: each token is the argmax of the reference logits of its step
             np.testing.assert_array_equal(out.tokens[row], expected.argmax(-1))
-    # the cache layouts the docstring promises: per-layer tuples unrolled, a stack scanned
+    # the layout the docstring promises: one cache buffer and one (fused) parameter tree per
+    # layer, scanned model or not, so that no decode step copies a layer's slice of a stack
     cache = model.init_cache(2, 8)
-    assert isinstance(cache.k, tuple) != scan
+    assert isinstance(cache.k, tuple) and len(cache.k) == model.config.num_layers
     assert cache.max_len == 8
+    layer_params = model.decode_layer_params()
+    assert isinstance(layer_params, list) and len(layer_params) == model.config.num_layers
+    assert layer_params[0]["attn"]["qkv"].ndim == 3  # [d, Hq + 2·Hkv, D]: no layer axis
 
 
 def test_fused_projections_are_concatenations_and_lora_layers_stay_unfused():
@@ -97,6 +103,25 @@ def test_fused_projections_are_concatenations_and_lora_layers_stay_unfused():
     lora = dataclasses.replace(config, lora=LoraSpec(rank=2, alpha=2.0))
     p = nnx.to_pure_dict(nnx.state(Decoder(lora, rngs=nnx.Rngs(0)).layers, nnx.Param))
     assert fuse_projections(p) is p
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_memory_check_counts_the_decode_copy_of_the_layer_weights(scan):
+    # the sampler's memory check adds what `decode_layer_params` allocates: for a scanned
+    # model a copy of every layer weight, for an unrolled one the fused projections
+    config = DecoderConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=3,
+                           num_heads=4, num_kv_heads=2, scan_layers=scan)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    copy = model.decode_layer_params()
+    copied = sum(x.nbytes for x in jax.tree.leaves(copy))
+    d, f, hd = 16, 24, 4  # q/k/v/o: d × heads × head_dim; gate/up/down: d × f; two norms
+    layer_bytes = 4 * 3 * (d * (4 + 2 + 2) * hd + d * 4 * hd + 3 * d * f + 2 * d)
+    assert decode_weights_bytes(model) == layer_bytes
+    fused = 4 * 3 * (d * 8 * hd + 2 * d * f)
+    assert copied == layer_bytes  # every layer weight, as a new or a shared buffer
+    new = sum(x.nbytes for x in jax.tree.leaves(copy)
+              if not any(x is y for y in jax.tree.leaves(nnx.state(model.layers, nnx.Param))))
+    assert new == (layer_bytes if scan else fused) <= decode_weights_bytes(model)
 
 
 @pytest.mark.slow  # ~15 s: keeps the default run under ten minutes
