@@ -4,9 +4,11 @@ train step), for an 8B Llama-3-shaped model in bfloat16 at 256 concurrent sequen
 8,192-token contexts (a 1,024-token prompt slot width + 7,168 generated slots per sequence),
 n = 8 samples per prompt over the shared prompt cache (64 store rows, 8 staged prompts
 prefilled 256 tokens per chunk beside each decode step); prints and writes the per-chip memory.
-The decode program gets the per-layer fused weights the sampler builds once per call
-(`decode_program.fused_layer_params`: its layers run unrolled, each on its own cache buffer),
-compiled the same way; its arguments hold them beside the model's stacked weights, as the
+The decode program gets the fused weights the sampler builds once per call
+(`decode_program.fused_layer_params`), compiled the same way. `--decode-layers scanned` (the
+default: what `model.decode_layers: auto` picks on TPU) decodes under the layer scan on one
+stacked cache; `unrolled` (auto's choice on CPU and GPU) gives each layer its own cache buffer
+and weight copy, which the program's arguments hold beside the model's stacked weights, as the
 sampler's do.
 
 Sharding: the weights by the project's rules (`parallel/rules.py`) on a (data, fsdp, tensor)
@@ -58,6 +60,8 @@ def carry_sharding(path, leaf, mesh) -> NamedSharding:
         return NamedSharding(mesh, P())
     if re.search(r"(\['[kv]'\]|\.[kv])\[\d+\]$", name):  # a layer's [R, Hkv, D, S] / [R, Hkv, S, D]
         return NamedSharding(mesh, P(rows, "tensor"))
+    if name.endswith((".k", ".v", "['k']", "['v']")):  # the stack [L, R, Hkv, D, S] / [L, R, Hkv, S, D]
+        return NamedSharding(mesh, P(None, rows, "tensor"))
     return NamedSharding(mesh, P(rows))
 
 
@@ -73,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store-rows", type=int, default=64, help="shared prompt store rows")
     ap.add_argument("--staged", type=int, default=8, help="prompts prefilled at a time")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")
+    ap.add_argument("--decode-layers", default="scanned", choices=("scanned", "unrolled"),
+                    help="model.decode_layers (auto: scanned on TPU)")
     ap.add_argument("--out", default=str(RESULTS / "decode_v5e.json"))
     args = ap.parse_args(argv)
     devices = _tpu_devices(args.topology)
     mesh = make_mesh(MeshConfig(data=args.data, fsdp=args.fsdp, tensor=args.tensor), devices)
-    config = DecoderConfig(**LLAMA3_8B)
+    config = DecoderConfig(**LLAMA3_8B, decode_layers=args.decode_layers)
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shardings = state_shardings(state, mesh)
@@ -114,18 +120,24 @@ def main(argv: list[str] | None = None) -> int:
         compiled = lowered.compile()
     seconds = time.perf_counter() - start
     memory = program_memory(compiled)
-    # jit drops the stacked layer weights (unused beside the per-layer copy) from the
-    # program's arguments; the sampler's caller still holds them: resident = peak + these.
+    # unrolled: jit drops the stacked layer weights (unused beside the per-layer copy) from
+    # the program's arguments; the sampler's caller still holds them: resident = peak + these.
+    # scanned: the fused projections are a copy (a concatenation), so the unfused q/k/v and
+    # gate/up stay apart; the rest of the stack is the program's own argument.
     per_chip = lambda tree: sum(
         math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
         for a in jax.tree.leaves(tree))
     stacked = per_chip(state["layers"])
+    fused_away = per_chip([a for path, a in jax.tree_util.tree_leaves_with_path(state["layers"])
+                           if re.search(r"\['(q|k|v|gate|up)'\]", jax.tree_util.keystr(path))])
+    held_apart = stacked if args.decode_layers == "unrolled" else fused_away
     figure = dict(itemsize=2, prompt_width=args.prompt, max_new_tokens=max_new,
                   slots=args.slots, prompt_rows=args.store_rows, staging_rows=args.staged)
     kv = kv_bytes_per_sequence(config, **figure)
     copied = kv_bytes_per_sequence(config, **figure, shared=False)
     result = dict(topology=args.topology, chips=len(devices), mesh=dict(
         data=args.data, fsdp=args.fsdp, tensor=args.tensor), model="Llama-3-8B shape, bfloat16",
+        decode_layers=args.decode_layers,
         slots=args.slots, context=args.context, prompt=args.prompt, n=8,
         store_rows=args.store_rows, staged=args.staged, chunk=args.chunk, compile_s=seconds,
         per_chip_gib=dict(arguments=memory.argument / 2**30, outputs=memory.output / 2**30,
@@ -133,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                           peak=memory.peak / 2**30,
                           layer_weights_copy=per_chip(layer_params) / 2**30,
                           stacked_layer_weights=stacked / 2**30,
-                          resident=(memory.peak + stacked) / 2**30),
+                          resident=(memory.peak + held_apart) / 2**30),
         kv_cache_gib_total=kv * args.slots / 2**30, kv_bytes_per_sequence=kv,
         kv_bytes_per_sequence_copied=copied)
     print(json.dumps(result, indent=2))

@@ -72,9 +72,14 @@ class ModelConfig(Section):
         "(needs scan_layers); default: full for pretrained sources (hf, gguf, smollm2), none "
         "for random")
     scan_layers: bool = Field(
-        False, description="run the layers under one jax.lax.scan (stacked weights) in the "
-        "training and scoring forward passes (sampling always decodes them unrolled); "
+        False, description="run the layers under one jax.lax.scan (stacked weights); "
         "default: true for pretrained sources, false for random")
+    decode_layers: Literal["auto", "unrolled", "scanned"] = Field(
+        "auto", description="how sampling runs a scanned model's layers: unrolled (one KV "
+        "buffer and one weight copy per layer: XLA:CPU copies each layer's slice of a stacked "
+        "cache every step), scanned (the stacked cache updated in place by the TPU compiler; "
+        "no weight copy, a faster compile), auto: scanned on TPU, else unrolled; needs "
+        "scan_layers for scanned")
     lora: LoraConfig | None = None  # None: full fine-tuning
     # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU;
     # ring: with mesh.context > 1, keys/values passed round the context axis instead of
@@ -112,4 +117,8 @@ class ModelConfig(Section):
                 f"model.remat={self.remat} saves no memory with model.scan_layers=false (the "
                 "compiler keeps every layer's activations when the layers are unrolled): set "
                 "model.scan_layers=true, or model.remat=none")
+        if self.decode_layers == "scanned" and not self.scan_layers:
+            raise ValueError(
+                "model.decode_layers=scanned decodes the stacked layer weights of a scanned "
+                "model: set model.scan_layers=true, or model.decode_layers=auto")
         return self

@@ -118,6 +118,8 @@ class DecoderConfig:
     compute_dtype: str = "float32"
     remat: RematPolicy = "none"
     scan_layers: bool = False
+    # How a scanned model decodes (models/decoder.py `stacked_decode`): auto | unrolled | scanned.
+    decode_layers: str = "auto"
     # Attention kernel (models/attention.py): auto | jnp | xla | cudnn | splash | ring.
     attention: str = "auto"
     # LoRA adapters (`models.lora.LoraSpec`; set by `models.lora.add_lora`); None = none.
@@ -156,6 +158,13 @@ class DecoderConfig:
                 f"attention={self.attention!r} is not one of 'auto', 'jnp', 'xla', 'cudnn', "
                 "'splash', 'ring'"
             )
+        if self.decode_layers not in ("auto", "unrolled", "scanned"):
+            raise UnsupportedConfigError(
+                f"decode_layers={self.decode_layers!r} is not one of 'auto', 'unrolled', "
+                "'scanned'")
+        if self.decode_layers == "scanned" and not self.scan_layers:
+            raise UnsupportedConfigError(
+                "decode_layers='scanned' needs scan_layers=True (the layer weights stacked)")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise UnsupportedConfigError(f"hidden_act={self.hidden_act!r} is not supported")
         if self.rope_scaling is not None:

@@ -13,10 +13,12 @@ Inputs
 Layers are either a `nnx.List` of `Block`s (`scan_layers=False`) or one `Block` whose
 parameters carry a leading "layers" axis and run under `jax.lax.scan` (`scan_layers=True`):
 same numerics, same HF names. Each layer is wrapped in `jax.checkpoint` with the policy named
-by `config.remat`. With a KV cache (decoding) the layers always run unrolled, each on its own
-cache buffer, scanned model or not: a scan over a stacked cache copies each layer's slice out of
-the stack and back every step (SmolLM2-135M, 16 rows, 2 CPU cores: 431 ms per decode step
-scanned against 96 ms unrolled).
+by `config.remat`. With a KV cache (decoding) a scanned model runs unrolled, each layer on its
+own cache buffer, unless `stacked_decode` says otherwise: XLA:CPU copies each layer's slice of a
+stacked cache out and back every step (SmolLM2-135M, 16 rows, 2 CPU cores: 431 ms per decode
+step scanned against 96 ms unrolled), while the TPU compiler updates the stack in place and
+compiles the scan far faster (Llama-3-8B decode for v5e: 8.5 s against 93 s,
+benchmarks/decode_v5e.py) without a per-layer copy of the weights.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flax import nnx, struct
 from jaxrl_llm.models.attention import (
     attention_mesh,
     current_mesh,
+    current_platform,
     fsdp_only,
     gather_sequence,
     resolve,
@@ -74,8 +77,9 @@ REMAT_POLICIES = {
 class KVCache:
     """Key/value cache for incremental decoding (a pytree; shapes are static).
 
-    k             L × [B, Hkv, D, S] keys (after RoPE) of each layer, transposed
-    v             L × [B, Hkv, S, D] values of each layer
+    k             L × [B, Hkv, D, S] keys (after RoPE) of each layer, transposed (or one
+                  stacked [L, B, Hkv, D, S] array: `stacked_decode`)
+    v             L × [B, Hkv, S, D] values of each layer (or [L, B, Hkv, S, D])
     segment_ids   [B, S] int32       segment id of each slot; 0 = empty or padding (never seen)
     positions     [B, S] int32       RoPE position of each slot (for the sliding window)
     index         [] int32           next slot to write (the same for every row)
@@ -89,16 +93,16 @@ class KVCache:
     (segment_ids = its attention mask) gets positions 0..n-1 on its real tokens and each
     decode step (segment_ids = 1) gets the row's next position. The layouts are the ones
     `layers.cached_attention` multiplies without a transpose; k and v are tuples of one array
-    per layer (also for a scanned model), so a layer reads its own buffer instead of copying
-    a slice out of a stack.
+    per layer, so a layer reads its own buffer instead of copying a slice out of a stack,
+    except under `stacked_decode` (a scanned model decoded under its layer scan).
     Writing past S is not checked inside jit: the caller must keep index + T ≤ S. Attention
     always spans all S slots (static shapes; the sampler grows S between windows of steps);
     k/v are updated with dynamic_update_slice, in place when the cache is a loop carry
     (`lax.while_loop` / `fori_loop`) or a donated jit argument.
     """
 
-    k: tuple[Array, ...]
-    v: tuple[Array, ...]
+    k: tuple[Array, ...] | Array
+    v: tuple[Array, ...] | Array
     segment_ids: Array
     positions: Array
     index: Array
@@ -132,21 +136,27 @@ def block_forward(
     kv: tuple[Array, Array] | None,
     cache_index: Array | None,
     config: DecoderConfig,
+    layer_index: Array | int = 0,
 ) -> tuple[Array, tuple[Array, Array] | None]:
     """One pre-norm layer on the pure parameter dict `p`.
 
     mask: the [B, T, S] mask for `layers.dot_product_attention`, or a function
     `(q, k, v) -> attention output` (a fused kernel from `models/attention.py`).
-    kv: None, or this layer's cache pair [B, Hkv, D, S] / [B, Hkv, S, D] (`KVCache`). The
-    new keys and values are written in place (one dynamic_update_slice on the loop-carried
-    buffer, so a decode step never copies the cache) and the updated pair is returned.
+    kv: None, this layer's cache pair [B, Hkv, D, S] / [B, Hkv, S, D], or the whole stacked
+    pair [L, B, Hkv, D, S] / [L, B, Hkv, S, D] read and written at `layer_index` (`KVCache`).
+    The new keys and values are written in place (one dynamic_update_slice on the
+    loop-carried buffer, so a decode step never copies the cache) and the updated pair is
+    returned.
     """
     c = config
     norm = lambda h, name: rms_norm(h, p[name]["scale"], eps=c.rms_norm_eps, gemma=c.is_gemma)
     q, k, v = project_qkv(p["attn"], norm(x, "attn_norm"), cos, sin, c)
     if kv is not None:
-        kv = _write_cache(kv, k, v, cache_index)
+        kv = _write_cache(kv, k, v, layer_index, cache_index)
         keys_t, values = kv
+        if keys_t.ndim == 5:  # the stack: this layer's slice
+            keys_t, values = (jax.lax.dynamic_index_in_dim(a, layer_index, 0, keepdims=False)
+                              for a in kv)
         attn = cached_attention(q, keys_t.astype(q.dtype), values.astype(q.dtype), mask,
                                 scale=c.attn_scale, logit_softcap=c.attn_logit_softcap)
     elif callable(mask):
@@ -164,15 +174,28 @@ def block_forward(
     return x + h, kv
 
 
-def _write_cache(kv: tuple[Array, Array], k: Array, v: Array,
+def _write_cache(kv: tuple[Array, Array], k: Array, v: Array, layer_index: Array | int,
                  slot: Array) -> tuple[Array, Array]:
-    """Write k, v [B, T, Hkv, D] at slots [slot, slot + T) of one layer's cache pair (the
-    `KVCache` layouts)."""
+    """Write k, v [B, T, Hkv, D] at slots [slot, slot + T) of the cache pair (the `KVCache`
+    layouts: one layer's buffers, or a stack indexed by `layer_index`)."""
     ck, cv = kv
     new_k = k.transpose(0, 2, 3, 1).astype(ck.dtype)  # [B, Hkv, D, T]
     new_v = v.transpose(0, 2, 1, 3).astype(cv.dtype)  # [B, Hkv, T, D]
+    if ck.ndim == 5:
+        return (jax.lax.dynamic_update_slice(ck, new_k[None], (layer_index, 0, 0, 0, slot)),
+                jax.lax.dynamic_update_slice(cv, new_v[None], (layer_index, 0, 0, slot, 0)))
     return (jax.lax.dynamic_update_slice(ck, new_k, (0, 0, 0, slot)),
             jax.lax.dynamic_update_slice(cv, new_v, (0, 0, slot, 0)))
+
+
+def stacked_decode(config: DecoderConfig) -> bool:
+    """Does sampling run this model's layers under its layer scan, on a stacked KV cache?
+    `decode_layers`: "scanned" / "unrolled", or "auto": scanned for a scanned model traced for a
+    TPU (the mesh's platform, `attention.current_platform`), unrolled elsewhere (module
+    docstring)."""
+    if not config.scan_layers or config.decode_layers == "unrolled":
+        return False
+    return config.decode_layers == "scanned" or current_platform() == "tpu"
 
 
 def per_layer(stacked: Any, num_layers: int) -> list[Any]:
@@ -235,24 +258,31 @@ class Decoder(nnx.Module):
         return [nnx.to_pure_dict(nnx.state(block, nnx.Param)) for block in self.layers]
 
     def decode_layer_params(self) -> Any:
-        """A list of per-layer pure params with projections fused (`layers.fuse_projections`),
-        scanned model or not: build once outside a decode loop and pass as `layer_params` to
-        every step. For a scanned model this copies the layer weights once (the fused
-        projections are a copy in either layout)."""
+        """The layers' pure params with projections fused (`layers.fuse_projections`): a list
+        of per-layer trees, or the stack under `stacked_decode`. Build once outside a decode
+        loop and pass as `layer_params` to every step. For a scanned model decoded unrolled
+        this copies the layer weights once (the fused projections are a copy in either
+        layout)."""
         params = self.pure_layer_params()
+        if stacked_decode(self.config):
+            return fuse_projections(params)
         if self.config.scan_layers:
             return per_layer(fuse_projections(params), self.config.num_layers)
         return [fuse_projections(p) for p in params]
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty `KVCache` for `batch_size` rows of up to `max_len` tokens (compute dtype):
-        one buffer per layer whatever the layout of the parameters (see the module docstring)."""
+        one buffer per layer, or one stack under `stacked_decode` (module docstring)."""
         c = self.config
         dtype = dtype or c.compute_jnp_dtype
         k_shape = (batch_size, c.num_kv_heads, c.head_dim, max_len)
         v_shape = (batch_size, c.num_kv_heads, max_len, c.head_dim)
-        k = tuple(jnp.zeros(k_shape, dtype) for _ in range(c.num_layers))
-        v = tuple(jnp.zeros(v_shape, dtype) for _ in range(c.num_layers))
+        if stacked_decode(c):
+            k = jnp.zeros((c.num_layers, *k_shape), dtype)
+            v = jnp.zeros((c.num_layers, *v_shape), dtype)
+        else:
+            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(c.num_layers))
+            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(c.num_layers))
         return KVCache(
             k=k,
             v=v,
@@ -337,7 +367,7 @@ class Decoder(nnx.Module):
             for kind in set(sliding)
         }
 
-        def layer(p, x, is_sliding, kv):
+        def layer(p, x, is_sliding, kv, layer_index=0):
             if not masks:
                 mask = functools.partial(
                     self_attention, segment_ids=segment_ids, scale=c.attn_scale,
@@ -355,11 +385,16 @@ class Decoder(nnx.Module):
                 mask = lambda q, k, v: dot_product_attention(
                     q, gather_sequence(k), gather_sequence(v), explicit, scale=c.attn_scale,
                     logit_softcap=c.attn_logit_softcap)
-            return block_forward(p, x, cos, sin, mask, kv, cache_index, c)
+            return block_forward(p, x, cos, sin, mask, kv, cache_index, c, layer_index)
 
         params = self.pure_layer_params() if layer_params is None else layer_params
-        scanned = c.scan_layers and cache is None  # decoding runs unrolled (module docstring)
-        if cache is not None and not isinstance(params, (list, tuple)):
+        # With a cache: scanned only over a stacked cache (`stacked_decode`, module docstring).
+        stacked = cache is not None and not isinstance(cache.k, (list, tuple))
+        scanned = c.scan_layers and cache is None
+        if stacked and isinstance(params, (list, tuple)):
+            raise ValueError("a stacked KV cache (stacked_decode) needs the stacked layer "
+                             "params of a scanned model, got a per-layer list")
+        if cache is not None and not stacked and not isinstance(params, (list, tuple)):
             params = per_layer(params, c.num_layers)
         layer_xs = jnp.asarray(sliding)
         kv = None if cache is None else (cache.k, cache.v)
@@ -387,6 +422,15 @@ class Decoder(nnx.Module):
                 return remat_layer(p, x, is_sliding, None)[0], None
 
             x, _ = jax.lax.scan(body, x, (params, layer_xs))
+        elif stacked:  # decoding under the layer scan, the stacked cache in the carry
+
+            def cached_body(carry, xs):
+                x, kv = carry
+                p, is_sliding, index = xs
+                return layer(p, x, is_sliding, kv, index), None
+
+            indices = jnp.arange(c.num_layers, dtype=jnp.int32)
+            (x, kv), _ = jax.lax.scan(cached_body, (x, kv), (params, layer_xs, indices))
         else:
             new_k, new_v = [], []
             for i, p in enumerate(params):

@@ -36,8 +36,8 @@ BATCHING = ("continuous", "static")
 def decode_weights_bytes(model: Any) -> int:
     """Bytes per device of the layer weights' decode copy (`Decoder.decode_layer_params`,
     built once per sampling call: fused projections, one tree per layer), counted as the
-    whole layer weights (a scanned model's are all copied; an unrolled one's fused
-    projections, most of them)."""
+    whole layer weights (a scanned model decoded unrolled copies them all; otherwise the fused
+    projections are copies, most of them: an upper bound)."""
     layers = nnx.state(model.layers, nnx.Param)
     return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                if hasattr(a, "sharding") else a.nbytes for a in jax.tree.leaves(layers))

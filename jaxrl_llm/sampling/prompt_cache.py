@@ -133,10 +133,18 @@ def shared_attention(q: Array, prompt: tuple[Array, Array], prompt_mask: Array,
     return _ungroup(out, 1)
 
 
+def _layer(buffers: Any, index: Any) -> Array:
+    """One layer's buffer of a cache field: the tuple's entry, or the stack's slice."""
+    if isinstance(buffers, tuple):
+        return buffers[index]
+    return jax.lax.dynamic_index_in_dim(buffers, index, 0, keepdims=False)
+
+
 def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
-                    slot_axis: int) -> Array:
+                    slot_axis: int, layer: Array | None = None) -> Array:
     """`buf` with each row r's generated slot `write[r]` set to `value[r]` (value [R, ...]: one
-    row of `buf` without its slot axis). One dynamic_update_slice per row under vmap: compiled
+    row of `buf` without its slot axis and, when `layer` is given, without its leading layer
+    axis: that layer's slot is set). One dynamic_update_slice per row under vmap: compiled
     in place, where the equivalent scatter into the minor slot axis (`buf.at[..., r, ...,
     write]`) makes the TPU compiler copy the whole cache every step (7 GiB per chip for an 8B
     model at 256 × 8,192; benchmarks/decode_v5e.py). The index is clamped: an idle slot's
@@ -147,8 +155,11 @@ def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
     def one(row: Array, x: Array, at: Array) -> Array:
         start = [jnp.int32(0)] * row.ndim
         start[axis] = at
-        return jax.lax.dynamic_update_slice(row, jnp.expand_dims(x.astype(row.dtype), axis),
-                                            start)
+        x = jnp.expand_dims(x.astype(row.dtype), axis - (layer is not None))
+        if layer is not None:
+            start[0] = layer
+            x = x[None]
+        return jax.lax.dynamic_update_slice(row, x, start)
 
     return jax.vmap(one, in_axes=(row_axis, 0, 0), out_axes=row_axis)(buf, value, write)
 
@@ -181,18 +192,30 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
     write = jnp.where(rows < k_rows, t - 1, gen)  # an idle slot: clamped (write_generated)
 
     def layer(p, x, is_sliding, index, gk, gv):
-        """gk / gv: layer `index`'s own-cache buffers [R, Hkv, D, G] / [R, Hkv, G, D]."""
+        """gk / gv: layer `index`'s own-cache buffers [R, Hkv, D, G] / [R, Hkv, G, D], or the
+        whole stacks [L, R, Hkv, D, G] / [L, R, Hkv, G, D] (`stacked_decode`)."""
         new = {}
-        p_mask, g_mask = masks[True in masks and is_sliding]
+        stacked = not isinstance(index, int)
+        if isinstance(is_sliding, bool) or True not in masks:
+            p_mask, g_mask = masks[True in masks and is_sliding is True]
+        else:
+            p_mask, g_mask = (jnp.where(is_sliding, masks[True][i], masks[False][i])
+                              for i in range(2))
 
         def attend(q, k, v):
-            new["k"] = write_generated(gk, k[:, 0].astype(gk.dtype), write, row_axis=0,
-                                       slot_axis=3)
-            new["v"] = write_generated(gv, v[:, 0].astype(gv.dtype), write, row_axis=0,
-                                       slot_axis=2)
-            prompt = (store["k"][index].astype(q.dtype), store["v"][index].astype(q.dtype))
-            return shared_attention(q, prompt, p_mask, (new["k"].astype(q.dtype),
-                                                        new["v"].astype(q.dtype)),
+            nk = k[:, 0].astype(gk.dtype)  # [R, Hkv, D]
+            nv = v[:, 0].astype(gv.dtype)
+            if stacked:
+                new["k"] = write_generated(gk, nk, write, row_axis=1, slot_axis=4, layer=index)
+                new["v"] = write_generated(gv, nv, write, row_axis=1, slot_axis=3, layer=index)
+            else:
+                new["k"] = write_generated(gk, nk, write, row_axis=0, slot_axis=3)
+                new["v"] = write_generated(gv, nv, write, row_axis=0, slot_axis=2)
+            layer_k, layer_v = (_layer(new[f], index) if stacked else new[f] for f in "kv")
+            prompt = (_layer(store["k"], index).astype(q.dtype),
+                      _layer(store["v"], index).astype(q.dtype))
+            return shared_attention(q, prompt, p_mask, (layer_k.astype(q.dtype),
+                                                        layer_v.astype(q.dtype)),
                                     g_mask, rows, samples, n, scale=c.attn_scale,
                                     logit_softcap=c.attn_logit_softcap)
 
@@ -200,14 +223,24 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
         return x, new["k"], new["v"]
 
     params = model.pure_layer_params() if layer_params is None else layer_params
-    if not isinstance(params, (list, tuple)):  # a scanned model's stack: one tree per layer
-        params = per_layer(params, c.num_layers)
-    ks, vs = [], []
-    for i, p in enumerate(params):  # unrolled, scanned model or not (models/decoder.py)
-        x, gk, gv = layer(p, x, c.sliding_layers[i], i, own["k"][i], own["v"][i])
-        ks.append(gk)
-        vs.append(gv)
-    own = dict(own, k=tuple(ks), v=tuple(vs))
+    if not isinstance(own["k"], tuple):  # `stacked_decode`: under the layer scan
+        def body(carry, xs):
+            x, gk, gv = carry
+            p, is_sliding, index = xs
+            return layer(p, x, is_sliding, index, gk, gv), None
+
+        xs = (params, jnp.asarray(c.sliding_layers), jnp.arange(c.num_layers, dtype=jnp.int32))
+        (x, gk, gv), _ = jax.lax.scan(body, (x, own["k"], own["v"]), xs)
+        own = dict(own, k=gk, v=gv)
+    else:
+        if not isinstance(params, (list, tuple)):  # a scanned model's stack, decoded unrolled
+            params = per_layer(params, c.num_layers)
+        ks, vs = [], []
+        for i, p in enumerate(params):
+            x, gk, gv = layer(p, x, c.sliding_layers[i], i, own["k"][i], own["v"][i])
+            ks.append(gk)
+            vs.append(gv)
+        own = dict(own, k=tuple(ks), v=tuple(vs))
     hidden = rms_norm(x, model.final_norm.scale[...], eps=c.rms_norm_eps, gemma=c.is_gemma)
     return hidden[:, 0], own
 

@@ -60,6 +60,7 @@ def numerics(model_config: Any) -> dict[str, Any]:
             "compute_dtype": resolve_compute_dtype(m.compute_dtype),
             "remat": m.remat,
             "scan_layers": m.scan_layers, "attention": getattr(m, "attention", "auto"),
+            "decode_layers": getattr(m, "decode_layers", "auto"),
             # model.rope_scaling replaces the weights file's (Qwen3's YaRN past 32,768)
             **({"rope_scaling": dict(scaling)} if scaling else {})}
 

@@ -3,7 +3,8 @@ generated-slot cache in place when compiled for TPU: `python benchmarks/decode_v
 a user runs it, on a small v5e topology) at two context lengths reports the same temporaries
 while the cache (donated: in and out in one buffer) grows by its known size. A scatter into
 the cache's minor slot axis made the TPU compiler copy the whole cache every step (7 GiB per
-chip at 8B × 256 × 8,192: 15.0 GiB peak where 8.0 fits)."""
+chip at 8B × 256 × 8,192: 15.0 GiB peak where 8.0 fits). Both layouts: the layers decoded under
+their scan on one stacked cache (`model.decode_layers: auto` on TPU) and unrolled."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # benchmarks/decode_v5e.py's Llama-3-8B
 SLOTS, PROMPT, CHIPS = 32, 256, 4
 
 
-def per_chip(tmp_path: Path, context: int) -> dict[str, float]:
-    out = tmp_path / f"decode_{context}.json"
+def per_chip(tmp_path: Path, context: int, layers: str) -> dict[str, float]:
+    out = tmp_path / f"decode_{context}_{layers}.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks/decode_v5e.py"), "--topology",
                     "v5e:2x2", "--fsdp", "2", "--tensor", "2", "--slots", str(SLOTS),
                     "--context", str(context), "--prompt", str(PROMPT), "--store-rows", "8",
-                    "--staged", "2", "--chunk", "128", "--out", str(out)],
+                    "--staged", "2", "--chunk", "128", "--decode-layers", layers, "--out", str(out)],
                    check=True, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     return json.loads(out.read_text())["per_chip_gib"]
 
@@ -38,8 +39,9 @@ def generated_cache_gib(context: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not libtpu_available(), reason="needs the `tpu` extra (PyPI libtpu)")
-def test_decode_program_keeps_the_generated_cache_in_place(tmp_path):
-    short, long = per_chip(tmp_path, 2048), per_chip(tmp_path, 4096)
+@pytest.mark.parametrize("layers", ["scanned", "unrolled"])
+def test_decode_program_keeps_the_generated_cache_in_place(tmp_path, layers):
+    short, long = per_chip(tmp_path, 2048, layers), per_chip(tmp_path, 4096, layers)
     grown = generated_cache_gib(4096) - generated_cache_gib(2048)
     assert grown == pytest.approx(2.0)
     assert long["aliased"] - short["aliased"] == pytest.approx(grown, rel=0.01)

@@ -1,6 +1,7 @@
 """The sampler's decode path (KV cache in its transposed layouts, one buffer per layer, q/k/v
-and gate/up fused into one matmul each, layers unrolled even for a scanned model) against
-transformers' PyTorch forward.
+and gate/up fused into one matmul each, layers unrolled even for a scanned model, or under
+the layer scan on one stacked cache with `decode_layers="scanned"`) against transformers'
+PyTorch forward.
 
 For each family feature the fused projections must carry (q/k/v biases, Qwen3 q/k norms,
 YaRN's scaled cos/sin, Gemma 2's soft-caps and sliding window, Mistral's window), with unrolled
@@ -77,14 +78,46 @@ def test_sampled_logits_equal_transformers_full_forward(tmp_path, name, scan):
             np.testing.assert_allclose(out.logits[row], expected, atol=ATOL, rtol=0)
             # greedy: each token is the argmax of the reference logits of its step
             np.testing.assert_array_equal(out.tokens[row], expected.argmax(-1))
-    # the layout the docstring promises: one cache buffer and one (fused) parameter tree per
-    # layer, scanned model or not, so that no decode step copies a layer's slice of a stack
+    # the layout the docstring promises on CPU (decode_layers=auto): one cache buffer and one
+    # (fused) parameter tree per layer, scanned model or not, so that no decode step copies a
+    # layer's slice of a stack
     cache = model.init_cache(2, 8)
     assert isinstance(cache.k, tuple) and len(cache.k) == model.config.num_layers
     assert cache.max_len == 8
     layer_params = model.decode_layer_params()
     assert isinstance(layer_params, list) and len(layer_params) == model.config.num_layers
     assert layer_params[0]["attn"]["qkv"].ndim == 3  # [d, Hq + 2·Hkv, D]: no layer axis
+
+
+@pytest.mark.parametrize("name", ["qwen3_qknorm", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_stacked_decode_of_a_scanned_model_equals_transformers(tmp_path, name):
+    # model.decode_layers=scanned (auto's choice on TPU): the layers decode under their scan
+    # on one stacked cache, read and written at the layer index; gemma2 mixes sliding and
+    # global layers, so the per-layer mask is selected inside the scan
+    torch_model = make_hf_model(hf_configs()[name])
+    model = load_pretrained(save_hf(torch_model, tmp_path / name), scan_layers=True,
+                            decode_layers="scanned")
+    cache = model.init_cache(2, 8)
+    assert cache.k.shape == (model.config.num_layers, 2, model.config.num_kv_heads,
+                             model.config.head_dim, 8)
+    assert model.decode_layer_params()["attn"]["qkv"].ndim == 4  # [L, d, Hq + 2·Hkv, D]
+    for batching in ("static", "continuous"):
+        out = _greedy(model, batching=batching)
+        reference = _expected_step_logits(
+            lambda seq: hf_logits(torch_model, seq, np.ones_like(seq)), out)
+        for row, expected in enumerate(reference):
+            np.testing.assert_allclose(out.logits[row], expected, atol=ATOL, rtol=0)
+            np.testing.assert_array_equal(out.tokens[row], expected.argmax(-1))
+
+
+def test_decode_layers_scanned_needs_a_scanned_model():
+    with pytest.raises(Exception, match="decode_layers='scanned' needs scan_layers=True"):
+        DecoderConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
+                      num_heads=4, num_kv_heads=2, decode_layers="scanned")
+    from jaxrl_llm.config.model import ModelConfig
+    with pytest.raises(ValueError, match="model.decode_layers=scanned .* model.scan_layers=true"):
+        ModelConfig(source="random", scan_layers=False, decode_layers="scanned")
+    assert ModelConfig(source="smollm2").decode_layers == "auto"
 
 
 def test_fused_projections_are_concatenations_and_lora_layers_stay_unfused():
