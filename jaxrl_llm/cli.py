@@ -94,6 +94,9 @@ def _main(argv: Sequence[str] | None) -> int:
             from jaxrl_llm.parallel.distributed import initialize
 
             initialize()  # no-op on a single host (parallel/distributed.py)
+            from jaxrl_llm.parallel.compile_cache import enable_compilation_cache
+
+            enable_compilation_cache()  # TPU/GPU by default (parallel/compile_cache.py)
         code = module.run(args)
     # Bad config, input data, model/tokenizer file or a path that does not exist: no traceback.
     except (ConfigError, RecordError, ModelFileError, FileNotFoundError) as err:
