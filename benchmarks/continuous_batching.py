@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                 vllm_environment=results.get("vllm", {}).get("environment"), argv=sys.argv[1:])
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows, raw=results), indent=2) + "\n")
     head = "| workload | prompts × n | concurrent | new tokens | " + " | ".join(
-        f"{fw} tok/s" for fw in frameworks) + " | new ÷ old | new ÷ vLLM | TTFT old / new / vLLM (s) |"
+        f"{fw} tok/s" for fw in frameworks) + " | new ÷ old | new ÷ vLLM | TTFT " + " / ".join(
+        "vLLM" if fw == "vllm" else fw for fw in frameworks) + " (s) |"
     lines = [head, "| --- |" + " ---: |" * (head.count("|") - 2)]
     ratio = lambda a, b: f"{a / b:.2f}×" if None not in (a, b) else "–"
     for r in rows:
@@ -338,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                   "context / short (ms) | context share | vLLM step ÷ ours: context / short |",
                   "| --- |" + " ---: |" * 8]
         pair = lambda a, b: f"{a:.0f} / {b:.0f}" if None not in (a, b) else "–"
+        ms = lambda a: f"{a:.0f}" if a is not None else "–"
         for r in rows:
             alone = r.get("new_step_ms_context"), r.get("new_step_ms_short")
             share = f"{1 - alone[1] / alone[0]:.0%}" if None not in alone else "–"
             lines.append(
                 f"| {r['workload']} | {r['new_step_ms']:.0f} | "
-                f"{r.get('old_full_step_ms', float('nan')):.0f} | "
-                f"{r.get('vllm_full_step_ms', float('nan')):.0f} | "
+                f"{ms(r.get('old_full_step_ms'))} | {ms(r.get('vllm_full_step_ms'))} | "
                 f"{r['new_prefill_share']:.0%} | {pair(*alone)} | "
                 f"{pair(r.get('vllm_step_ms_context'), r.get('vllm_step_ms_short'))} | {share} | "
                 + (f"{r['same_schedule_step_ms_context']:.2f}× / "
