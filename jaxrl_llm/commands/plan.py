@@ -29,7 +29,14 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"plan.topology={args.topology}")
     if args.platform:
         overrides.append(f"plan.platform={args.platform}")
-    config = load_experiment_config(args.config, overrides)
+    from jaxrl_llm.commands.config import pick_schema, schema_class, top_level_keys
+    from jaxrl_llm.config import load_config
+
+    if pick_schema(top_level_keys(args.config, overrides)) == "online":
+        # kept whole: its online: section says where the sampler runs (plan/sampler.py)
+        config = load_config(args.config, overrides, schema=schema_class("online"))
+    else:
+        config = load_experiment_config(args.config, overrides)
     count = host_device_count(config)
     if count is not None:
         # Read by XLA when jax first initialises its CPU backend (not yet, in this process).

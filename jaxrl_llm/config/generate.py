@@ -31,6 +31,14 @@ class GenerateConfig(Section):
     # continuous batching: prompt tokens prefilled per decode step while the other slots
     # decode (null: a whole prompt at once; the prompt width is rounded up to a multiple)
     prefill_chunk: int | None = Field(64, gt=0)
+    # The JAX sampler's decode layout over the devices its model lives on (sampling/layout.py,
+    # as MaxText's rollout_data/tensor_parallelism): slot groups × tensor-parallel size, which
+    # must multiply to those devices. null: derived from mesh: (its tensor axis stays tensor
+    # parallelism, when it divides the KV heads; data, fsdp and context become slot groups).
+    decode_data: int | None = Field(None, gt=0, description="the JAX sampler's slot groups "
+                                    "(decode data parallelism; null: from mesh:)")
+    decode_tensor: int | None = Field(None, gt=0, description="the JAX sampler's tensor-"
+                                      "parallel size, dividing the KV heads (null: from mesh:)")
     split: str = "train"  # task split to sample prompts from
     output: RunPath | None = Field(None, description="record directory generate writes (local or gs://); default: data.records")
     records_per_shard: int = Field(10_000, gt=0)  # records per ArrayRecord shard
@@ -58,4 +66,5 @@ class GenerateConfig(Section):
 
     def sampler_options(self) -> dict[str, Any]:
         """`sampling.build.build_sampler`'s batching keywords from this section."""
-        return dict(batching=self.batching, prefill_chunk=self.prefill_chunk)
+        return dict(batching=self.batching, prefill_chunk=self.prefill_chunk,
+                    decode_data=self.decode_data, decode_tensor=self.decode_tensor)

@@ -23,3 +23,10 @@ class PlanConfig(Section):
     topology: str | None = Field(None, description="e.g. v5e:16x16 (256 chips), v5e:2x2")
     num_devices: int | None = Field(None, gt=0, description="fake CPU devices; default: mesh")
     chip_memory_gib: float | None = Field(None, gt=0, description="HBM per chip; v5e: 16")
+    # also compile the continuous sampler's own decode and prefill programs (plan/sampler.py)
+    # for the sampler's devices (online.sampler_devices, or the trainer's mesh): auto = for a
+    # config with an online: section
+    sampler: Literal["auto", "on", "off"] = "auto"
+    sampler_prompt_len: int | None = Field(None, gt=0, description="the sampler's prompt "
+                                           "tokens; default train.max_seq_len − "
+                                           "generate.max_new_tokens")

@@ -155,7 +155,9 @@ def _needed_devices(config: ExperimentConfig) -> int:
             "plan on CPU: mesh has a -1 axis, so set plan.num_devices to say how many devices "
             "to plan for"
         )
-    return math.prod(sizes)
+    online = getattr(config, "online", None)
+    extra = online.sampler_devices if online is not None else 0  # the sampler's own devices
+    return math.prod(sizes) + extra
 
 
 def select_devices(config: ExperimentConfig) -> tuple[list[Any], str, str | None]:
@@ -256,11 +258,20 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         key: resolve_compute_dtype(getattr(config.model, key), devices[0].platform)
         for key in ("param_dtype", "compute_dtype")})
     config = config.model_copy(update={"model": model})
+    sampler_devices, devices = split_devices(config, devices)
     mesh = make_mesh(config.mesh, devices)
     state = abstract_train_state(config, mesh)
     decoder = decoder_config(config.model)
     refuse_before_compiling(config, decoder, mesh, sum(_array_infos(state)[1].values()),
                             topology)
+    sampler_mesh = None
+    if sampler_devices is not None:  # a decode layout that cannot be, refused before compiling
+        from jaxrl_llm.sampling.layout import from_mesh
+
+        sampler_mesh = mesh if sampler_devices is devices else sampler_mesh_for(
+            config, sampler_devices)
+        from_mesh(sampler_mesh, decoder.num_kv_heads, data=config.generate.decode_data,
+                  tensor=config.generate.decode_tensor)
     batch = abstract_batch(config, mesh)
     step = make_train_step(config, mesh, state)
     start = time.perf_counter()
@@ -282,6 +293,11 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
             "smaller loss.logprob_chunk_size."
         ) from None
     seconds = time.perf_counter() - start
+    sampler = None
+    if sampler_mesh is not None:
+        from jaxrl_llm.plan.sampler import make_sampler_plan
+
+        sampler = make_sampler_plan(config, decoder, sampler_mesh, _chip_memory(config))
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
@@ -326,7 +342,36 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         hardware_flops=recompute * (6.0 * (n_params + frozen) * tokens + attn),
         chip_peak=_chip_peak(config),
         context=context_split(config, decoder, mesh),
+        sampler=sampler,
+        sampler_split=sampler_devices is not None and sampler_devices is not devices,
     )
+
+
+def split_devices(config: ExperimentConfig, devices: list[Any]) -> tuple[list[Any] | None,
+                                                                        list[Any]]:
+    """(the sampler's devices, or None when `plan.sampler` does not plan it; the trainer's).
+    With `online.sampler_devices: k` the first k devices sample and the rest train, as
+    `online.placement.make_placement` splits them; otherwise both share all of them."""
+    online = getattr(config, "online", None)
+    wanted = config.plan.sampler == "on" or (config.plan.sampler == "auto" and online is not None)
+    k = getattr(online, "sampler_devices", 0) if online is not None else 0
+    if k and k >= len(devices):
+        raise ConfigError(f"online.sampler_devices={k} leaves none of the {len(devices)} "
+                          "devices to train on")
+    if not wanted:
+        return None, devices
+    return (devices[:k], devices[k:]) if k else (devices, devices)
+
+
+def sampler_mesh_for(config: ExperimentConfig, devices: list[Any]) -> Any:
+    """The sampler's own mesh over its devices: the `mesh:` sizes when they fit them, else
+    all data-parallel (as `make_placement` builds it)."""
+    from jaxrl_llm.parallel.mesh import AxisSizes
+
+    try:
+        return make_mesh(config.mesh, devices)
+    except ConfigError:
+        return make_mesh(AxisSizes(), devices)
 
 
 def host_device_count(config: ExperimentConfig) -> int | None:

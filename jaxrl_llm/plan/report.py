@@ -75,6 +75,10 @@ class PlanReport:
     hardware_flops: float = 0.0  # model + attention + remat's recomputed forward, all devices
     chip_peak: tuple[float, float] | None = None  # (FLOP/s, HBM bytes/s)
     context: ContextSplit | None = None  # mesh.context > 1
+    sampler: Any = None  # plan/sampler.py's SamplerPlan, when the config samples
+    # the sampler has devices of its own (online.sampler_devices): `num_devices` are the
+    # trainer's, `sampler.devices` the sampler's
+    sampler_split: bool = False
 
     @property
     def roofline_seconds(self) -> float | None:
@@ -120,7 +124,10 @@ def _gib(n: float) -> str:
 def format_report(r: PlanReport) -> str:
     """A markdown report (what `plan` prints and docs/plan.md holds)."""
     mesh = " ".join(f"{k}={v}" for k, v in r.mesh.items())
-    lines = [f"### {r.config_name}: {r.topology} ({r.num_devices} {r.platform} devices)", ""]
+    devices = (f"{r.num_devices + r.sampler.devices} {r.platform} devices: {r.num_devices} "
+               f"train, {r.sampler.devices} sample" if r.sampler_split else
+               f"{r.num_devices} {r.platform} devices")
+    lines = [f"### {r.config_name}: {r.topology} ({devices})", ""]
     if r.fallback_note:
         lines += [f"> NOTE: {r.fallback_note}", ""]
     params = f"{r.num_params / 1e6:,.1f} M parameters"
@@ -193,4 +200,9 @@ def format_report(r: PlanReport) -> str:
             f"| {a.path} | {'×'.join(map(str, a.shape))} | {a.dtype} | `{a.spec}` | "
             f"{_gib(a.device_bytes)} |"
         )
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if r.sampler is not None:
+        from jaxrl_llm.plan.sampler import format_sampler_plan
+
+        text += "\n" + format_sampler_plan(r.sampler)
+    return text

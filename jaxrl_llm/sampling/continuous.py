@@ -36,12 +36,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxrl_llm.parallel.distributed import host_array
 from jaxrl_llm.sampling.decode_program import Program, fused_layer_params
+from jaxrl_llm.sampling.layout import DecodeLayout, check_slots, from_model, sampling_dtype
 from jaxrl_llm.sampling.prompt_cache import (
     init_staging,
     init_store,
@@ -55,6 +55,7 @@ from jaxrl_llm.sampling.sampler import (
     SamplingParams,
     window_ends,
 )
+from jaxrl_llm.sampling.schedule import assignments, commit_rows, staging_rows, tail_rows
 from jaxrl_llm.sampling.slot_program import (
     assign_slots,
     commit_staging,
@@ -108,6 +109,11 @@ class ContinuousSampler(Sampler):
         running sample's next token.
     min_rows: once no work waits and at most half the slots run, only the running ones go on
         (a power of two ≥ min_rows of them), as `Sampler` drops finished rows.
+    decode_layout: where slots, prompt store, staging rows and weights live
+        (`layout.DecodeLayout`; default `layout.from_model`: derived from the weights' mesh).
+        The slots, store rows and staged prompts split into its `groups` (slot parallelism),
+        each group's slots reading only its own store rows (`schedule.py`); `slots` must be a
+        multiple of the groups, and each group gets the per-group share of the sizes below.
     """
 
     def __init__(self, model: Any, *, slots: int, pad_token_id: int = 0,
@@ -115,7 +121,8 @@ class ContinuousSampler(Sampler):
                  prefill_chunk: int | None = None, prompt_rows: int | None = None,
                  prompt_buckets: Sequence[int] | None = None, cache_dtype: Any = None,
                  segment_steps: int | None = None, segment_s: float | None = None,
-                 cache_windows: int = 4, min_rows: int = 4):
+                 cache_windows: int = 4, min_rows: int = 4,
+                 decode_layout: DecodeLayout | None = None):
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -126,6 +133,8 @@ class ContinuousSampler(Sampler):
                          segment_steps=segment_steps, segment_s=segment_s,
                          cache_windows=cache_windows, min_rows=min_rows)
         self.slots = int(slots)
+        self.decode_layout = decode_layout or from_model(model)
+        check_slots(self.decode_layout, self.slots, key="slots")
         self.refill_slots = int(refill_slots or max(1, slots // 4))
         if not 1 <= self.refill_slots <= self.slots:
             raise ValueError(f"refill_slots={refill_slots} must be in [1, slots={slots}]")
@@ -141,12 +150,15 @@ class ContinuousSampler(Sampler):
         prompts P, store rows K."""
         width = self.bucket(max(map(len, prompts)))
         chunk = min(self.prefill_chunk or width, width)
-        staging = max(1, math.ceil(self.refill_slots / n))
-        rows = self.prompt_rows or default_prompt_rows(self.slots, n, staging)
+        groups = self.decode_layout.groups  # the sizes below are per group, then × groups
+        staging = max(1, math.ceil(math.ceil(self.refill_slots / groups) / n))
+        rows = (math.ceil(self.prompt_rows / groups) if self.prompt_rows else
+                default_prompt_rows(self.slots // groups, n, staging))
         if rows < staging:
-            raise ValueError(f"prompt_rows={rows} must be >= the {staging} prompts staged at "
-                             "a time (ceil(refill_slots / n))")
-        return dict(width=-(-width // chunk) * chunk, chunk=chunk, staging=staging, rows=rows)
+            raise ValueError(f"prompt_rows={rows * groups} must be >= the {staging * groups} "
+                             "prompts staged at a time (ceil(refill_slots / n))")
+        return dict(width=-(-width // chunk) * chunk, chunk=chunk, staging=staging * groups,
+                    rows=rows * groups)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, key: Array,
                  *, progress: bool = False, return_logits: bool = False,
@@ -169,8 +181,11 @@ class ContinuousSampler(Sampler):
         n, max_new, count = params.n, params.max_new_tokens, len(prompts)
         size = self.layout(prompts, n)
         width, k_rows, p_rows = size["width"], size["rows"], size["staging"]
+        lay = self.decode_layout
         graphdef, state = nnx.split(self.model)
-        layer_params = fused_layer_params(graphdef, state)
+        # The weights in the decode layout and the sampling dtype (one copy).
+        state = lay.place_state(state, sampling_dtype(self.model))
+        layer_params = self._layer_params(graphdef, state)
         vocab = int(getattr(self.model.config, "vocab_size", 0)) if return_logits else 0
         cache_dtype = self._cache_dtype()
         figure = dict(itemsize=cache_dtype.itemsize, prompt_width=width, max_new_tokens=max_new,
@@ -178,17 +193,19 @@ class ContinuousSampler(Sampler):
         self.kv_bytes_per_sequence = kv_bytes_per_sequence(self.model.config, **figure)
         self.kv_bytes_per_sequence_copied = kv_bytes_per_sequence(self.model.config, **figure,
                                                                   shared=False)
-        traced = dict(temperature=jnp.float32(params.temperature if not params.greedy else 1.0),
-                      top_p=jnp.float32(params.top_p),
-                      stop_ids=jnp.asarray(params.stop_token_ids or (-1,), jnp.int32))
+        traced = dict(temperature=np.float32(params.temperature if not params.greedy else 1.0),
+                      top_p=np.float32(params.top_p),
+                      stop_ids=np.asarray(params.stop_token_ids or (-1,), np.int32))
         static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
                       return_logits=return_logits)
         ends = window_ends(max_new, self.cache_windows)
-        carry = init_slots(self.model, slots=self.slots, gen_len=ends[0],
-                           cache_dtype=cache_dtype, max_new=max_new, vocab=vocab,
-                           pad_token_id=self.pad_token_id, key=key, return_logits=return_logits,
-                           staging=init_staging(self.model, p_rows, width, cache_dtype))
-        store = init_store(self.model, k_rows, width, cache_dtype)
+        carry = lay.make(lambda key: init_slots(
+            self.model, slots=self.slots, gen_len=ends[0], cache_dtype=cache_dtype,
+            max_new=max_new, vocab=vocab, pad_token_id=self.pad_token_id, key=key,
+            return_logits=return_logits,
+            staging=init_staging(self.model, p_rows, width, cache_dtype)), key)
+        store = lay.make(lambda: init_store(self.model, k_rows, width, cache_dtype))
+        static["layout"] = lay
         host = dict(tokens=np.full((count * n, max_new), self.pad_token_id, np.int32),
                     versions=np.full((count * n, max_new), version, np.int64),
                     logprobs=np.zeros((count * n, max_new), np.float32),
@@ -198,7 +215,7 @@ class ContinuousSampler(Sampler):
             host["logits"] = np.zeros((count * n, max_new, vocab), np.float32)
         held = [-1] * k_rows  # the prompt in each store row (-1: none)
         given = [n] * k_rows  # how many of its samples have had a slot
-        staged: list[int] = []  # the prompts in the staging area
+        staged: dict[int, int] = {}  # the prompt in each used staging row
         ready = True  # the staged prompts are prefilled
         done_per_prompt = np.zeros(count, np.int32)
         busy = np.zeros(self.slots, bool)
@@ -219,25 +236,22 @@ class ContinuousSampler(Sampler):
                 if held[r] >= 0 and done_per_prompt[held[r]] == n:
                     held[r] = -1
             if staged and ready:
-                free_rows = [r for r in range(k_rows) if held[r] < 0][:len(staged)]
-                if len(free_rows) == len(staged):
+                free_rows = commit_rows(held, staged, staging=p_rows, groups=lay.groups)
+                if free_rows is not None:
                     dest = np.full(p_rows, k_rows, np.int32)
-                    dest[:len(staged)] = free_rows
-                    store = commit_staging(store, carry["staging"], jnp.asarray(dest))
-                    for r, prompt in zip(free_rows, staged):
+                    dest[list(staged)] = free_rows
+                    store = commit_staging(store, carry["staging"], lay.put(dest), layout=lay)
+                    for r, prompt in zip(free_rows, staged.values()):
                         held[r], given[r], row_version[r] = prompt, 0, staged_version
-                    staged = []
+                    staged = {}
             if not staged and next_prompt < count:
-                staged = list(range(next_prompt, min(count, next_prompt + p_rows)))
+                new = range(next_prompt, min(count, next_prompt + p_rows))
+                staged = dict(zip(staging_rows(len(new), p_rows, lay.groups), new))
                 next_prompt += len(staged)
                 carry = self._stage(carry, prompts, staged, size)
                 ready = False
-            free = [int(s) for s in np.flatnonzero(~busy)]
-            plan = []  # (slot, store row, prompt id, sample)
-            for r in sorted((r for r in range(k_rows) if held[r] >= 0), key=held.__getitem__):
-                while given[r] < n and len(plan) < len(free):
-                    plan.append((free[len(plan)], r, int(ids[held[r]]), given[r]))
-                    given[r] += 1
+            plan = [(slot_index, r, int(ids[held[r]]), sample) for slot_index, r, sample
+                    in assignments(busy, held, given, n, lay.groups)]
             if plan:
                 carry = self._assign(carry, store, plan, key, traced, static, len(busy))
                 for slot_index, r, _, sample in plan:
@@ -247,11 +261,13 @@ class ContinuousSampler(Sampler):
                 busy[[p[0] for p in plan]] = True
             if weights is not None and (newer := weights()) is not None:
                 version, state = newer  # PipelineRL's in-flight update (module docstring)
-                layer_params = fused_layer_params(graphdef, state)
+                state = lay.place_state(state, sampling_dtype(self.model))
+                layer_params = self._layer_params(graphdef, state)
             if not busy.any():
                 if staged and not ready:  # nothing decodes: the whole prefill now
                     carry = dict(carry, staging=prefill_staging(
-                        graphdef, state, layer_params, carry["staging"], chunk=size["chunk"]))
+                        graphdef, state, layer_params, carry["staging"], chunk=size["chunk"],
+                        layout=lay))
                     ready, staged_version = True, version
                     continue
                 if staged:  # every row is free when no slot runs
@@ -260,20 +276,20 @@ class ContinuousSampler(Sampler):
             more = bool(staged) or any(g < n for g, h in zip(given, held) if h >= 0)
             steps = longest if self.segment_s is None else min(longest, self._timed_steps)
             if not more and busy.sum() <= len(busy) // 2 and len(busy) > self.min_rows:
-                keep = self._tail_rows(busy)  # the tail: fewer rows
-                carry = select_slots(carry, jnp.asarray(keep, jnp.int32))
+                keep = tail_rows(busy, lay.groups, self.min_rows)  # the tail: fewer rows
+                carry = select_slots(carry, lay.put(keep.astype(np.int32)), layout=lay)
                 busy, slot_row, t_now = busy[keep], slot_row[keep], t_now[keep]
                 slot_versions = slot_versions[keep]
             # The smallest window every running sample's next write (slot t - 1) fits in.
             top = int(t_now[busy].max())
             gen_len = next(e for e in ends if e >= top)
             if gen_len != jax.tree.leaves(carry["state"]["own"]["v"])[0].shape[-2]:
-                carry = resize_slots(carry, gen_len)
+                carry = resize_slots(carry, gen_len, layout=lay)
             steps = min(steps, gen_len - top + 1)
             chunks_before = int(host_array(carry["staging"]["chunk"]))
             start = time.perf_counter()
-            carry = decode_slots(graphdef, state, layer_params, carry, store, jnp.int32(steps),
-                                 jnp.int32(self.refill_slots if more else len(busy) + 1),
+            carry = decode_slots(graphdef, state, layer_params, carry, store, np.int32(steps),
+                                 np.int32(self.refill_slots if more else len(busy) + 1),
                                  **traced, **static, chunk=size["chunk"])
             slot = {name: host_array(carry["state"][name]) for name in ("active", "t", "stopped")}
             chunk_now, chunks = (int(host_array(carry["staging"][f])) for f in ("chunk", "chunks"))
@@ -318,35 +334,40 @@ class ContinuousSampler(Sampler):
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             logits=host.get("logits"), versions=host["versions"] if weights is not None else None)
 
-    def _tail_rows(self, busy: np.ndarray) -> np.ndarray:
-        """The slots to keep once no work waits: the busy ones, padded with free ones to a
-        power of two ≥ `min_rows` (few compiled sizes)."""
-        size = max(self.min_rows, 1 << max(0, math.ceil(math.log2(busy.sum()))))
-        return np.concatenate([np.flatnonzero(busy), np.flatnonzero(~busy)])[:size]
+    def _layer_params(self, graphdef: Any, state: Any) -> Any:
+        """The decode copy of the layer weights (`fused_layer_params`); unfused under tensor
+        parallelism, where concatenating head-split projections would scatter each shard's
+        columns (the model then reads its own per-layer params)."""
+        return None if self.decode_layout.tensor > 1 else fused_layer_params(graphdef, state)
 
-    def _stage(self, carry: dict, prompts: list[list[int]], staged: list[int],
+    def _stage(self, carry: dict, prompts: list[list[int]], staged: dict[int, int],
                size: dict[str, int]) -> dict:
-        """Put prompts `staged` (right-padded) in the staging area, its chunks to run: as many
-        as its longest prompt needs."""
+        """Put prompts `staged` (staging row → prompt; right-padded) in the staging area, its
+        chunks to run: as many as its longest prompt needs."""
         staging = carry["staging"]
         rows, width = staging["tokens"].shape
         tokens = np.full((rows, width), self.pad_token_id, np.int32)
         lengths = np.ones(rows, np.int32)
-        for row, index in enumerate(staged):
+        for row, index in staged.items():
             tokens[row, :len(prompts[index])] = prompts[index]
             lengths[row] = len(prompts[index])
         self.prefills += 1
         self.prefilled_prompts += len(staged)
         chunks = -(-int(lengths.max()) // size["chunk"])
-        return dict(carry, staging=dict(staging, tokens=jnp.asarray(tokens),
-                                        lengths=jnp.asarray(lengths), chunk=jnp.int32(0),
-                                        chunks=jnp.int32(chunks)))
+        put = self.decode_layout.put
+        return dict(carry, staging=dict(staging, tokens=put(tokens), lengths=put(lengths),
+                                        chunk=put(np.int32(0)), chunks=put(np.int32(chunks))))
 
     def _assign(self, carry: dict, store: dict, plan: list[tuple[int, int, int, int]],
                 key: Array, traced: dict, static: dict, slots: int) -> dict:
-        """Run `assign_slots` for `plan` padded to `slots` entries (slot index `slots`: none)."""
+        """Run `assign_slots` for `plan` [(slot, store row, prompt id, sample)]: a table of one
+        entry per slot (a slot without one keeps its state; its row is its group's first)."""
+        groups = self.decode_layout.groups
+        k_rows = store["lengths"].shape[0]
         table = np.zeros((4, slots), np.int32)
-        table[0] = slots
-        table[:, :len(plan)] = np.asarray(plan, np.int32).T
-        return assign_slots(carry, store, *(jnp.asarray(row) for row in table), key,
-                            **traced, **static)
+        table[1] = np.arange(slots) // (slots // groups) * (k_rows // groups)
+        for slot_index, row, prompt, sample in plan:
+            table[:, slot_index] = (1, row, prompt, sample)
+        put = self.decode_layout.put
+        return assign_slots(carry, store, put(table[0].astype(bool)),
+                            *(put(row) for row in table[1:]), key, **traced, **static)

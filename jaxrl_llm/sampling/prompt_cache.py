@@ -24,6 +24,7 @@ float rounding of other matmul shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -41,6 +42,7 @@ from jaxrl_llm.models.layers import (
     rope_inv_freq,
 )
 from jaxrl_llm.sampling.decode_program import _layer_kwargs
+from jaxrl_llm.sampling.layout import DecodeLayout
 
 Array = jax.Array
 
@@ -104,12 +106,23 @@ def prefill_chunk(model: Any, layer_params: Any, staging: dict, size: int) -> di
 
 def shared_attention(q: Array, prompt: tuple[Array, Array], prompt_mask: Array,
                      own: tuple[Array, Array], own_mask: Array, rows: Array, samples: Array,
-                     n: int, *, scale: float, logit_softcap: float | None) -> Array:
+                     n: int, *, scale: float, logit_softcap: float | None,
+                     layout: DecodeLayout | None = None) -> Array:
     """Attention of one query per slot, q [R, 1, Hq, D], over its store row's keys and values
     prompt = (keys_t [K, Hkv, D, W], values [K, Hkv, W, D]) where prompt_mask [R, W] and its
     own own = (keys_t [R, Hkv, D, G], values [R, Hkv, G, D]) where own_mask [R, G]: one softmax
     over both. rows [R]: each slot's store row (≥ K: an idle slot, which gets garbage);
-    samples [R] < n: its sample index. Returns [R, 1, Hq, D]."""
+    samples [R] < n: its sample index. Returns [R, 1, Hq, D].
+
+    With a `layout` of several slot groups, slot s reads a store row of its own group (the
+    driver's rule) and each group attends on its own: no data crosses the slot shards."""
+    if layout is not None and layout.groups > 1:
+        sp = layout.split
+        one = functools.partial(shared_attention, n=n, scale=scale, logit_softcap=logit_softcap)
+        out = jax.vmap(one)(sp(q), (sp(prompt[0]), sp(prompt[1])), sp(prompt_mask),
+                            (sp(own[0]), sp(own[1])), sp(own_mask),
+                            sp(layout.local(rows, prompt[0].shape[0])), sp(samples))
+        return layout.merge(out)
     pk, pv = prompt
     gk, gv = own
     k_rows, hkv, _, width = pk.shape
@@ -165,8 +178,8 @@ def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
 
 
 def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array, own: dict,
-                 store: dict, rows: Array, samples: Array, t: Array, n: int) -> tuple[Array,
-                                                                                  dict]:
+                 store: dict, rows: Array, samples: Array, t: Array, n: int,
+                 layout: DecodeLayout | None = None) -> tuple[Array, dict]:
     """One decode step of R slots: token [R] at position [R] (its prompt's length + t − 1),
     written to generated slot t − 1 of `own` (k, v: `KVCache` layouts of R rows × G slots; an
     idle slot, rows ≥ K, writes nothing); attention over the store row `rows[r]`
@@ -180,7 +193,8 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
     k_rows, width = store["lengths"].shape[0], jax.tree.leaves(store["v"])[0].shape[-2]
     gen = jax.tree.leaves(own["v"])[0].shape[-2]
     slot_ids = jnp.arange(width, dtype=jnp.int32)
-    prompt_len = store["lengths"][jnp.clip(rows, 0, k_rows - 1)]
+    prompt_len = (store["lengths"][jnp.clip(rows, 0, k_rows - 1)] if layout is None
+                  else layout.take(store["lengths"], rows))
     prompt_mask = slot_ids[None, :] < prompt_len[:, None]
     own_ids = jnp.arange(gen, dtype=jnp.int32)
     own_mask = own_ids[None, :] < t[:, None]
@@ -217,7 +231,7 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
             return shared_attention(q, prompt, p_mask, (layer_k.astype(q.dtype),
                                                         layer_v.astype(q.dtype)),
                                     g_mask, rows, samples, n, scale=c.attn_scale,
-                                    logit_softcap=c.attn_logit_softcap)
+                                    logit_softcap=c.attn_logit_softcap, layout=layout)
 
         x, _ = block_forward(p, x, cos, sin, attend, None, None, c)
         return x, new["k"], new["v"]

@@ -155,13 +155,16 @@ def window_ends(max_new_tokens: int, windows: int, min_steps: int = 32) -> list[
 
 
 def sampling_bytes(config: Any, *, prompts: int, n: int, prompt_len: int, max_new_tokens: int,
-                   cache_itemsize: int = 4) -> int:
+                   cache_itemsize: int = 4, kv_only: bool = False) -> int:
     """Estimated bytes one prompt batch adds to the resident weights: the KV cache of its
     prompts × n rows at its full length, twice (growing a window copies the cache), plus the
     prefill's widest temporaries (one layer's attention scores and MLP activations) and three
-    float32 [rows, V] logit buffers (logits, probabilities, top-p's sort)."""
+    float32 [rows, V] logit buffers (logits, probabilities, top-p's sort). `kv_only`: the KV
+    cache's share alone (what tensor parallelism splits too)."""
     rows, slots = prompts * n, prompt_len + max_new_tokens
     kv = 2 * rows * config.num_layers * config.num_kv_heads * config.head_dim * slots * cache_itemsize
+    if kv_only:
+        return 2 * kv
     prefill = 4 * prompts * prompt_len * (config.num_heads * prompt_len
                                           + 3 * config.intermediate_size)
     return 2 * kv + prefill + 3 * 4 * rows * config.vocab_size

@@ -29,10 +29,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm.sampling.decode_program import Program, _last_logits, sample_key, sample_step
+from jaxrl_llm.sampling.layout import DecodeLayout
 from jaxrl_llm.sampling.prompt_cache import prefill_chunk, slot_forward
 
 Array = jax.Array
 _STATIC = ("graphdef", "program", "pad_token_id", "return_logits")
+UNPLACED = DecodeLayout()
 
 
 def _own_map(own: dict, fn) -> dict:
@@ -59,13 +61,15 @@ def init_slots(model: Any, *, slots: int, gen_len: int, cache_dtype: Any, max_ne
     return dict(state=state, out=out, steps=jnp.int32(0), staging=staging)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "layout"),
                    donate_argnames=("staging",))
-def prefill_staging(graphdef, state, layer_params: Any, staging: dict, *, chunk: int) -> dict:
+def prefill_staging(graphdef, state, layer_params: Any, staging: dict, *, chunk: int,
+                    layout: DecodeLayout = UNPLACED) -> dict:
     """Every chunk left of the staged prompts (no slot is decoding)."""
     model = nnx.merge(graphdef, state)
-    return jax.lax.while_loop(lambda s: s["chunk"] < s["chunks"],
-                              lambda s: prefill_chunk(model, layer_params, s, chunk), staging)
+    return layout.constrain(jax.lax.while_loop(
+        lambda s: s["chunk"] < s["chunks"], lambda s: prefill_chunk(model, layer_params, s, chunk),
+        staging))
 
 
 def _put_rows(dst: Array, src: Array, rows: Array, axis: int) -> Array:
@@ -75,15 +79,28 @@ def _put_rows(dst: Array, src: Array, rows: Array, axis: int) -> Array:
     return jnp.moveaxis(dst_m.at[rows].set(src_m, mode="drop"), 0, axis)
 
 
-@functools.partial(jax.jit, donate_argnames=("store",))
-def commit_staging(store: dict, staging: dict, rows: Array) -> dict:
-    """Store row rows[p] takes staged prompt p (rows[p] ≥ K: none): keys, values, length,
-    last logits."""
+def _put_grouped(layout: DecodeLayout, dst: Array, src: Array, rows: Array, axis: int) -> Array:
+    """`_put_rows` where staged row p (group-major) goes to a row of its own group."""
+    if layout.groups == 1:
+        return _put_rows(dst, src, rows, axis)
+    local = layout.split(layout.local(rows, dst.shape[axis]))
+    put = jax.vmap(lambda d, s, r: _put_rows(d, s, r, axis), in_axes=(axis, axis, 0),
+                   out_axes=axis)
+    return layout.merge(put(layout.split(dst, axis), layout.split(src, axis), local), axis)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("store",))
+def commit_staging(store: dict, staging: dict, rows: Array, *,
+                   layout: DecodeLayout = UNPLACED) -> dict:
+    """Store row rows[p] takes staged prompt p (rows[p] ≥ K: none; a store row of staged row
+    p's own slot group): keys, values, length, last logits."""
     cache = staging["cache"]
-    put = lambda dst, src: _put_rows(dst, src, rows, dst.ndim - 4)
-    return dict(k=jax.tree.map(put, store["k"], cache.k), v=jax.tree.map(put, store["v"], cache.v),
-                lengths=_put_rows(store["lengths"], staging["lengths"], rows, 0),
-                logits=_put_rows(store["logits"], staging["logits"], rows, 0))
+    put = lambda dst, src, axis=None: _put_grouped(layout, dst, src, rows,
+                                                   dst.ndim - 4 if axis is None else axis)
+    return layout.constrain(dict(
+        k=jax.tree.map(put, store["k"], cache.k), v=jax.tree.map(put, store["v"], cache.v),
+        lengths=put(store["lengths"], staging["lengths"], 0),
+        logits=put(store["logits"], staging["logits"], 0)))
 
 
 def _first_column(value: Array, fill: Any = 0, *, max_new: int) -> Array:
@@ -92,22 +109,24 @@ def _first_column(value: Array, fill: Any = 0, *, max_new: int) -> Array:
     return buf.at[:, 0].set(value)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC[1:], donate_argnames=("carry",))
-def assign_slots(carry: dict, store: dict, slots: Array, rows: Array, prompt_ids: Array,
+@functools.partial(jax.jit, static_argnames=(*_STATIC[1:], "layout"),
+                   donate_argnames=("carry",))
+def assign_slots(carry: dict, store: dict, take: Array, rows: Array, prompt_ids: Array,
                  sample_ids: Array, key: Array, temperature: Array, top_p: Array,
                  stop_ids: Array, *, program: Program, pad_token_id: int,
-                 return_logits: bool) -> dict:
-    """Slot `slots[m]` takes sample `sample_ids[m]` of prompt `prompt_ids[m]`, whose prompt is
-    store row `rows[m]` (a slot index ≥ R is no assignment). Its first token is drawn from
-    the stored logits at completion position 0."""
+                 return_logits: bool, layout: DecodeLayout = UNPLACED) -> dict:
+    """Each slot s with `take[s]` takes sample `sample_ids[s]` of prompt `prompt_ids[s]`, whose
+    prompt is store row `rows[s]` (a row of its own slot group); the others keep theirs. Its
+    first token is drawn from the stored logits at completion position 0. All [R]."""
     state, out = carry["state"], carry["out"]
-    logits = jnp.take(store["logits"], rows, axis=0)
+    logits = layout.take(store["logits"], rows)
     row_keys = sample_key(key, prompt_ids, sample_ids)
     token, lp, raw_lp = sample_step(row_keys, jnp.zeros_like(prompt_ids), logits, temperature,
                                     top_p, greedy=program.greedy, top_k=program.top_k,
                                     use_top_p=program.use_top_p)
     stop = jnp.isin(token, stop_ids)
-    set_ = lambda dst, value: dst.at[slots].set(value, mode="drop")
+    set_ = lambda dst, value: jnp.where(take.reshape(take.shape + (1,) * (dst.ndim - 1)),
+                                        value.astype(dst.dtype), dst)
     first = functools.partial(_first_column, max_new=program.max_new_tokens)
     out = dict(out, tokens=set_(out["tokens"], first(token, pad_token_id)),
                logprobs=set_(out["logprobs"], first(lp)),
@@ -115,19 +134,21 @@ def assign_slots(carry: dict, store: dict, slots: Array, rows: Array, prompt_ids
     if return_logits:
         out["logits"] = set_(out["logits"], first(logits))
     state = dict(state, last=set_(state["last"], token), row=set_(state["row"], rows),
-                 position=set_(state["position"], jnp.take(store["lengths"], rows)),
+                 position=set_(state["position"], layout.take(store["lengths"], rows)),
                  t=set_(state["t"], jnp.ones_like(token)), prompt=set_(state["prompt"], prompt_ids),
                  sample=set_(state["sample"], sample_ids),
                  active=set_(state["active"], ~stop & (program.max_new_tokens > 1)),
-                 stopped=set_(state["stopped"], stop), row_keys=set_(state["row_keys"], row_keys))
-    return dict(carry, state=state, out=out)
+                 stopped=set_(state["stopped"], stop),
+                 row_keys=jnp.where(take, row_keys, state["row_keys"]))
+    return layout.constrain(dict(carry, state=state, out=out))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", *_STATIC, "chunk"),
+@functools.partial(jax.jit, static_argnames=("graphdef", *_STATIC, "chunk", "layout"),
                    donate_argnames=("carry",))
 def decode_slots(graphdef, state, layer_params: Any, carry: dict, store: dict, steps: Array,
                  refill_at: Array, temperature: Array, top_p: Array, stop_ids: Array, *,
-                 program: Program, pad_token_id: int, return_logits: bool, chunk: int) -> dict:
+                 program: Program, pad_token_id: int, return_logits: bool, chunk: int,
+                 layout: DecodeLayout = UNPLACED) -> dict:
     """Up to `steps` decode steps of every slot, each with the next prefill chunk of the staged
     prompts if any is left; stops early when no slot runs, or when `refill_at` slots or more
     are free and no chunk is left. A slot ends after a stop token or max_new_tokens."""
@@ -149,7 +170,8 @@ def decode_slots(graphdef, state, layer_params: Any, carry: dict, store: dict, s
         t = slot["t"]
         rows = jnp.where(active, slot["row"], k_rows)  # a free slot reads and writes nothing
         hidden, own = slot_forward(model, layer_params, slot["last"], slot["position"],
-                                   slot["own"], store, rows, slot["sample"], t, program.n)
+                                   slot["own"], store, rows, slot["sample"], t, program.n,
+                                   layout=layout)
         staged = jax.lax.cond(staged["chunk"] < staged["chunks"],
                               lambda s: prefill_chunk(model, layer_params, s, chunk),
                               lambda s: s, staged)
@@ -172,11 +194,11 @@ def decode_slots(graphdef, state, layer_params: Any, carry: dict, store: dict, s
 
     steps, slot, out, staged = jax.lax.while_loop(
         cond, body, (jnp.int32(0), carry["state"], carry["out"], carry["staging"]))
-    return dict(state=slot, out=out, steps=steps, staging=staged)
+    return layout.constrain(dict(state=slot, out=out, steps=steps, staging=staged))
 
 
-@functools.partial(jax.jit, static_argnames=("width",))  # new shapes: nothing to donate
-def resize_slots(carry: dict, width: int) -> dict:
+@functools.partial(jax.jit, static_argnames=("width", "layout"))  # new shapes: no donation
+def resize_slots(carry: dict, width: int, layout: DecodeLayout = UNPLACED) -> dict:
     """The carry with each slot's generated slots cut or padded to `width`. Cutting drops only
     slots no running sample has reached (the driver's rule); a slot's generated slots at or
     past its `t` are never attended to."""
@@ -185,14 +207,22 @@ def resize_slots(carry: dict, width: int) -> dict:
         return (jax.lax.slice_in_dim(a, 0, width, axis=axis) if extra < 0 else
                 jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)]))
     state = carry["state"]
-    return dict(carry, state=dict(state, own=_own_map(state["own"], fit)))
+    return layout.constrain(dict(carry, state=dict(state, own=_own_map(state["own"], fit))))
 
 
-@jax.jit
-def select_slots(carry: dict, rows: Array) -> dict:
-    """Keep slots `rows` [R'] of every per-slot buffer (generated slots, state, outputs)."""
-    take = lambda a, axis=0: jnp.take(a, rows, axis=axis)
+@functools.partial(jax.jit, static_argnames=("layout",))
+def select_slots(carry: dict, rows: Array, layout: DecodeLayout = UNPLACED) -> dict:
+    """Keep slots `rows` [R'] of every per-slot buffer (generated slots, state, outputs); R' a
+    multiple of the slot groups, and each group keeps slots of its own (group-major)."""
+    def take(a, axis=0):
+        if layout.groups == 1:
+            return jnp.take(a, rows, axis=axis)
+        local = layout.split(layout.local(rows, a.shape[axis]))
+        pick = jax.vmap(lambda x, r: jnp.take(x, r, axis=axis), in_axes=(axis, 0), out_axes=axis)
+        return layout.merge(pick(layout.split(a, axis), local), axis)
+
     state = carry["state"]
     state = {name: _own_map(value, lambda a, _, axis: take(a, axis)) if name == "own"
              else take(value) for name, value in state.items()}
-    return dict(carry, state=state, out={name: take(buf) for name, buf in carry["out"].items()})
+    return layout.constrain(dict(carry, state=state,
+                                 out={name: take(buf) for name, buf in carry["out"].items()}))

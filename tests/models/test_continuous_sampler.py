@@ -125,7 +125,8 @@ def test_build_sampler_gives_the_continuous_sampler_unless_asked(model):
     from jaxrl_llm.config.generate import GenerateConfig
 
     options = GenerateConfig(batching="static", prefill_chunk=4).sampler_options()
-    assert options == {"batching": "static", "prefill_chunk": 4}
+    assert options == {"batching": "static", "prefill_chunk": 4, "decode_data": None,
+                       "decode_tensor": None}
     assert type(build_sampler(model, None, PROMPTS, batch_size=4, n=3, max_new_tokens=8,
                               key="generate.batch_size", **options)) is Sampler
     default = GenerateConfig().sampler_options()
