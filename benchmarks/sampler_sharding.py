@@ -62,7 +62,9 @@ def config_for(model: str, sizes: dict[str, int], *, slots: int, prompt: int, ne
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--slots", type=int, default=64)
+    # 256 slots, n = 8: every layout stages 8 prompts in all (≥ 1 per slot group), so the
+    # prefill chunk beside each step is the same work at every device count
+    ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--out", default=str(RESULTS / "sampler_sharding.json"))

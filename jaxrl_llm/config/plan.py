@@ -27,6 +27,9 @@ class PlanConfig(Section):
     # for the sampler's devices (online.sampler_devices, or the trainer's mesh): auto = for a
     # config with an online: section
     sampler: Literal["auto", "on", "off"] = "auto"
+    sampler_topology: str | None = Field(None, description="the sampler's own TPU slice (e.g. "
+                                         "v5e:8x8) when it is not part of plan.topology, "
+                                         "which is then the trainer's")
     sampler_prompt_len: int | None = Field(None, gt=0, description="the sampler's prompt "
                                            "tokens; default train.max_seq_len − "
                                            "generate.max_new_tokens")

@@ -72,17 +72,29 @@ class Sampled:
 
 class Weights:
     """Published weight versions on the sampler's devices: the trainer puts θ_v, the sampler
-    takes the one its round needs (waiting for it) and drops the older ones."""
+    takes the one its round needs (waiting for it) and drops the older ones. `newest_only`
+    (free-running): a put also drops every older version but the one last taken (sampling
+    now), so at most two versions are ever held, however far the trainer runs ahead."""
 
-    def __init__(self) -> None:
+    def __init__(self, newest_only: bool = False) -> None:
         self._cond = threading.Condition()
         self._versions: dict[int, Any] = {}
         self._closed = False
+        self._newest_only = newest_only
+        self._taken: int | None = None
 
     def put(self, version: int, weights: Any) -> None:
         with self._cond:
             self._versions[version] = weights
+            if self._newest_only:  # free mode only ever takes the newest
+                for old in [v for v in self._versions if v < version and v != self._taken]:
+                    del self._versions[old]
             self._cond.notify_all()
+
+    def held(self) -> int:
+        """How many versions are held now."""
+        with self._cond:
+            return len(self._versions)
 
     def take(self, version: int) -> Any:
         with self._cond:
@@ -92,16 +104,24 @@ class Weights:
                 self._cond.wait(POLL_S)
             for old in [v for v in self._versions if v < version]:
                 del self._versions[old]  # no later round samples with it
+            self._taken = version
             return self._versions[version]
 
-    def newest(self) -> int:
-        """The newest published version (free-running mode), waiting for a first one."""
+    def take_newest(self, after: int | None = None) -> tuple[int, Any] | None:
+        """(v, θ_v) for the newest version v, taken at once (free-running mode: a put between
+        reading v and taking it could drop it); None when v ≤ `after`. Waits for a first one."""
         with self._cond:
             while not self._versions:
                 if self._closed:
                     raise _Stopped
                 self._cond.wait(POLL_S)
-            return max(self._versions)
+            version = max(self._versions)
+            if after is not None and version <= after:
+                return None
+            for old in [v for v in self._versions if v < version]:
+                del self._versions[old]
+            self._taken = version
+            return version, self._versions[version]
 
     def close(self) -> None:
         with self._cond:
@@ -133,8 +153,11 @@ class SamplerSide:
     def sample(self, round_index: int, position: int) -> Sampled:
         o, g, d = self.config.online, self.config.generate, self.config.data
         t0 = time.perf_counter()
-        version = self.weights.newest() if self.free else self.version(round_index)
-        params, model_state = self.weights.take(version)
+        if self.free:
+            version, (params, model_state) = self.weights.take_newest()
+        else:
+            version = self.version(round_index)
+            params, model_state = self.weights.take(version)
         self.policy.state = self.policy.state.replace(params=params, model_state=model_state)
         t1 = time.perf_counter()
         picked = [self.problems[i] for i in prompt_slice(position, o.prompts_per_round,
@@ -165,11 +188,11 @@ class SamplerSide:
         current = [version]
 
         def newer() -> tuple[int, Any] | None:
-            v = self.weights.newest()
-            if v <= current[0]:
-                return None
             t0 = time.perf_counter()
-            params, model_state = self.weights.take(v)
+            newest = self.weights.take_newest(after=current[0])
+            if newest is None:
+                return None
+            v, (params, model_state) = newest
             self.policy.state = self.policy.state.replace(params=params, model_state=model_state)
             current[0] = v
             swaps.append(time.perf_counter() - t0)
@@ -326,7 +349,7 @@ def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened]
 
     if not sampler:
         return opened(config, experiment, placement, policy, run, meta, checkpointer, None, None)
-    weights = Weights()
+    weights = Weights(newest_only=config.online.pipeline == "free")
     side = SamplerSide(config, policy, placement, problems_of(config, policy), weights,
                        mu_source=run.mu_source, mu=sampler_mu(config))
     return opened(config, experiment, placement, policy, run, meta, checkpointer, side, weights)

@@ -249,6 +249,13 @@ class StoredWeights:
             raise _Skip
         return found[-1]
 
+    def take_newest(self, after: int | None = None) -> tuple[int, Any] | None:
+        """`pipeline.Weights.take_newest`: the newest version on file and its weights."""
+        version = self.newest()
+        if after is not None and version <= after:
+            return None
+        return version, self.take(version)
+
     def take(self, version: int) -> Any:
         if self._cached is not None and self._cached[0] == version:
             if not self.free:  # deterministic: θ_v's bytes cannot change

@@ -258,7 +258,12 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         key: resolve_compute_dtype(getattr(config.model, key), devices[0].platform)
         for key in ("param_dtype", "compute_dtype")})
     config = config.model_copy(update={"model": model})
-    sampler_devices, devices = split_devices(config, devices)
+    if config.plan.sampler_topology and config.plan.platform == "tpu" and libtpu_available():
+        # the sampler on a slice of its own: the whole of plan.topology trains
+        sampler_devices = _tpu_devices(config.plan.sampler_topology)
+        topology += f" + sampler {config.plan.sampler_topology}"
+    else:
+        sampler_devices, devices = split_devices(config, devices)
     mesh = make_mesh(config.mesh, devices)
     state = abstract_train_state(config, mesh)
     decoder = decoder_config(config.model)
@@ -269,7 +274,7 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         from jaxrl_llm.sampling.layout import from_mesh
 
         sampler_mesh = mesh if sampler_devices is devices else sampler_mesh_for(
-            config, sampler_devices)
+            config, list(sampler_devices))
         from_mesh(sampler_mesh, decoder.num_kv_heads, data=config.generate.decode_data,
                   tensor=config.generate.decode_tensor)
     batch = abstract_batch(config, mesh)
@@ -297,7 +302,19 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     if sampler_mesh is not None:
         from jaxrl_llm.plan.sampler import make_sampler_plan
 
-        sampler = make_sampler_plan(config, decoder, sampler_mesh, _chip_memory(config))
+        try:
+            sampler = make_sampler_plan(config, decoder, sampler_mesh, _chip_memory(config))
+        except Exception as err:  # XLA's JaxRuntimeError
+            if "limited ICI routing" not in str(err):
+                raise
+            raise ConfigError(
+                f"online.sampler_devices={len(sampler_mesh.devices.flat)} splits the "
+                f"{config.plan.topology} slice, and the TPU compiler compiles a program only "
+                "over a whole slice of this generation (it refused: device assignment should "
+                "include all slice devices). On such a pod the sampler runs on a slice of its "
+                "own (online.exchange rollout workers, launch/tpu_pipeline.sh): set "
+                "plan.sampler_topology to that slice (e.g. v5e:8x8) and plan.topology to the "
+                "trainer's") from None
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):

@@ -174,8 +174,8 @@ def format_sampler_plan(plan: SamplerPlan) -> str:
         f"prompt width {plan.prompt_width}, {plan.max_new_tokens} new tokens, "
         f"{plan.prompt_rows} store rows, {plan.staging_rows} staged",
         f"  KV cache per chip  {gib(plan.kv_bytes_per_chip)}",
-        f"  weights per chip   {gib(plan.weight_bytes_per_chip)} (decode layout and dtype, "
-        "with the fused copy)",
+        f"  weights per chip   {gib(plan.weight_bytes_per_chip)} (decode layout and dtype"
+        + (", with the fused copy)" if plan.tensor == 1 else ")"),
         f"  peak per chip      {gib(plan.peak_bytes)} (resident {gib(plan.resident_bytes_per_chip)}"
         f"; decode temporaries {gib(plan.decode['temp'])}, prefill temporaries "
         f"{gib(plan.prefill['temp'])})",

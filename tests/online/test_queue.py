@@ -67,3 +67,24 @@ def test_round_helpers() -> None:
     assert m["reward_mean"] == pytest.approx(-0.5)
     mm = logprob_mismatch([np.array([0.0, -1.0]), np.array([])], [np.array([0.5, -1.0]), np.array([])])
     assert mm == {"mu_mismatch_max": 0.5, "mu_mismatch_mean": 0.25}
+
+
+def test_free_running_weights_hold_at_most_the_newest_and_the_one_sampling():
+    """`online.pipeline: free` samples only with the newest version: a trainer that publishes
+    faster than the sampler takes leaves at most two versions on the sampler's devices (the
+    one sampling now and the newest), where the deterministic pipeline keeps every version a
+    later round still needs."""
+    from jaxrl_llm.online.pipeline import Weights
+
+    free, kept = Weights(newest_only=True), Weights()
+    for w in (free, kept):
+        w.put(0, "θ0")
+    assert free.take_newest() == (0, "θ0")
+    for v in range(1, 6):
+        free.put(v, f"θ{v}")
+        kept.put(v, f"θ{v}")
+        assert free.held() <= 2  # θ0 (sampling) and θ_v
+    assert kept.held() == 6
+    assert free.take_newest(after=5) is None
+    assert free.take_newest(after=0) == (5, "θ5") and free.held() == 1
+    assert kept.take(3) == "θ3" and kept.held() == 3  # θ3, θ4, θ5 may still be needed

@@ -38,10 +38,15 @@ PROMPTS = [[5, 9, 13], [7, 3, 22, 4, 8, 2, 30], [11], [1, 2, 3, 4], [9, 9], [6, 
 STOPS = (3, 7, 12)
 
 
-@pytest.fixture(scope="module")
-def model() -> Decoder:
+def make_model() -> Decoder:
+    """A tiny random decoder whose weights are scaled so that samples end at varied lengths."""
     graphdef, state = nnx.split(Decoder(CONFIG, rngs=nnx.Rngs(3)))
     return nnx.merge(graphdef, jax.tree.map(lambda x: x * 5.0 if x.ndim >= 2 else x, state))
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return make_model()
 
 
 def on_mesh(model: Decoder, devices: int, **sizes) -> Decoder:
@@ -160,3 +165,85 @@ def test_layouts_that_do_not_fit_are_refused_naming_the_key(model):
     layout = from_model(sharded, data=4, tensor=2)
     assert (layout.groups, layout.tensor, layout.devices) == (4, 2, 8)
     assert math.prod(layout.mesh.devices.shape) == 8
+
+
+def test_weights_reach_the_sampler_in_the_sampling_dtype_and_change_no_logit():
+    """float32 masters, bfloat16 compute: the decode copy holds the weight matrices in
+    bfloat16 (half the bytes), the norm scales in float32 (RMSNorm reads them so), and the
+    model's logits are bit-identical, since it casts each matrix to bfloat16 at every use."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.sampling.layout import DecodeLayout
+
+    config = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=32,
+                           param_dtype="float32", compute_dtype="bfloat16")
+    model = on_mesh(Decoder(config, rngs=nnx.Rngs(5)), 8, data=4, fsdp=1, tensor=2)
+    graphdef, state = nnx.split(model)
+    layout = from_model(model)
+    lean = layout.place_state(state, jnp.bfloat16)
+    dtypes = {a.ndim: set() for a in jax.tree.leaves(lean)}
+    for a in jax.tree.leaves(lean):
+        dtypes[a.ndim].add(str(a.dtype))
+    assert dtypes[1] == {"float32"} and all(dtypes[k] == {"bfloat16"} for k in dtypes if k > 1)
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree) if a.ndim > 1)
+    assert nbytes(lean) * 2 == nbytes(state)
+    embed = lean["embed"].get_value()  # decode rules: vocab over tensor, d_model replicated
+    assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", None)
+    tokens = jnp.asarray([[3, 9, 27, 4]])
+    full = model.logits(model(tokens))
+    decode = nnx.merge(graphdef, lean)
+    cast = decode.logits(decode(tokens))
+    np.testing.assert_array_equal(np.asarray(cast, np.float32), np.asarray(full, np.float32))
+    assert DecodeLayout().place_state(state) is state  # unplaced, no dtype: no copy
+
+
+@pytest.mark.slow
+def test_two_processes_sample_what_one_process_samples(tmp_path):
+    """2 processes × 4 devices (localhost `jax.distributed`) against 1 process × 8 devices:
+    the same records bit for bit, and every process's devices hold slot groups."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.parallel.helpers import free_port
+
+    worker = Path(__file__).with_name("mp_sampler_worker.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    port = str(free_port())
+    runs = [[sys.executable, str(worker), port, str(i), str(tmp_path / f"p{i}.npz")]
+            for i in range(2)] + [[sys.executable, str(worker), "-", "0",
+                                   str(tmp_path / "one.npz")]]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for cmd in runs]
+    for p in procs:
+        out = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, out[-3000:]
+    one = np.load(tmp_path / "one.npz")
+    for i in range(2):
+        got = np.load(tmp_path / f"p{i}.npz")
+        assert int(got["groups"]) == 8 and int(got["local_devices"]) == 4
+        assert got["owners"].tolist() == [0, 1]  # no host's devices idle
+        for name in ("tokens", "logprobs", "raw_logprobs", "lengths"):
+            np.testing.assert_array_equal(got[name], one[name], err_msg=name)
+
+
+def test_build_sampler_rounds_slots_to_the_groups_and_budgets_per_chip(model, monkeypatch):
+    """`build_sampler` (what generate, evaluate and the API call): batch_size × n slots rounded
+    up to a multiple of the slot groups, said; a cache that cannot fit refused per chip before
+    anything compiles, naming the layout and the keys that lower it."""
+    from jaxrl_llm.parallel.memory import LIMIT_ENV, InsufficientMemory
+    from jaxrl_llm.sampling.build import build_sampler
+
+    sharded = on_mesh(model, 8, data=8, fsdp=1, tensor=1)
+    said: list[str] = []
+    sampler = build_sampler(sharded, None, PROMPTS, batch_size=3, n=1, max_new_tokens=4,
+                            key="generate.batch_size", say=said.append)
+    assert sampler.slots == 8 and sampler.decode_layout.groups == 8
+    assert "3×1 = 3 samples at a time rounded up to 8 decode slots" in said[0]
+    monkeypatch.setenv(LIMIT_ENV, "0.01")
+    with pytest.raises(InsufficientMemory, match=r"per chip .*8 slot group.*generate\.decode_data"):
+        build_sampler(sharded, None, PROMPTS, batch_size=8, n=4, max_new_tokens=8,
+                      key="generate.batch_size", say=said.append)
