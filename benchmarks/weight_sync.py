@@ -4,7 +4,8 @@ A sync is the hand-over of the trainer's newest weights to the sampler:
 
 - **in memory** (`online.sampler_devices`, one host): `online.placement.Placement.publish`,
   the resharding `device_put` from the trainer's devices (mesh fsdp 4) to the sampler's
-  (fsdp 2), waited for — what the pipeline's trainer pauses for;
+  decode layout on its 2 devices (2 slot groups: the weights whole on each, in the sampling
+  dtype), waited for — what the pipeline's trainer pauses for;
 - **through storage** (rollout workers sharing only a directory): the trainer writes the
   version atomically, the sampler reads it onto its own devices. Two writers of the project:
   Orbax (`train.checkpoint.Checkpointer`: a step committed atomically, old steps
@@ -209,9 +210,14 @@ def measure(name: str, path: str, dtype: str, repeats: int, directory: Path) -> 
     if path == "in_memory":
         moved: list[Any] = []
 
+        from jaxrl_llm.sampling.layout import sampling_dtype
+
+        # what the pipeline publishes: the sampler's decode layout, in the sampling dtype
+        decode = (placement.sampler_layout(model.config.num_kv_heads), sampling_dtype(model))
+
         def publish(i: int) -> None:
             moved.clear()  # the previous copy is freed first
-            moved.append(placement.publish(params, rest))
+            moved.append(placement.publish(params, rest, *decode))
         times = _timed(publish, repeats)
         row.update(sync_s=times, equal=_digests(moved[0][0]) == expected)
     else:
@@ -361,8 +367,9 @@ def main() -> int:
     largest = max(rows, key=lambda r: r["bytes"])
     result = {
         "benchmark": "seconds per weight sync, trainer (4 CPU devices, fsdp 4) → sampler "
-                     "(2 CPU devices, fsdp 2): in memory (Placement.publish, a resharding "
-                     "device_put) and through local storage (atomic Orbax step / atomic HF "
+                     "(2 CPU devices): in memory (Placement.publish, a resharding "
+                     "device_put into the sampler's decode layout: 2 slot groups, the weights "
+                     "whole on each, in the sampling dtype) and through local storage (fsdp 2) (atomic Orbax step / atomic HF "
                      "safetensors directory / the online exchange's weight blob written by "
                      "StorageTrainer.publish and read by StoredWeights.take, then loaded onto "
                      "the sampler's devices; a sync = "

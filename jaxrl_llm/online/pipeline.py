@@ -50,6 +50,7 @@ from jaxrl_llm.online.rounds import (
     sampling_seed,
     split_batches,
 )
+from jaxrl_llm.sampling.layout import sampling_dtype
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxrl_llm.train.metrics_log import MetricsLogger
 from jaxrl_llm.train.state_items import state_items
@@ -282,12 +283,21 @@ class Opened:
     checkpointer: Checkpointer
     side: SamplerSide | None
     weights: Weights | None
+    _decode: tuple[Any, Any] | None = None  # the sampler's (decode layout, dtype), once
 
     def publish(self) -> float:
-        """θ_updates onto the sampler's devices; the trainer's pause in seconds."""
+        """θ_updates onto the sampler's devices, in its decode layout and sampling dtype (the
+        copy it decodes with); the trainer's pause in seconds."""
         t0 = time.perf_counter()
         state = self.policy.state
-        self.weights.put(self.run.updates, self.placement.publish(state.params, state.model_state))
+        if self._decode is None:
+            model = self.policy.model
+            g = self.config.generate
+            self._decode = (self.placement.sampler_layout(
+                model.config.num_kv_heads, data=g.decode_data, tensor=g.decode_tensor),
+                sampling_dtype(model))
+        self.weights.put(self.run.updates, self.placement.publish(
+            state.params, state.model_state, *self._decode))
         return time.perf_counter() - t0
 
     def logger(self) -> MetricsLogger:

@@ -1,6 +1,7 @@
 """Where the online loop's two sides run on one host (docs/online.md § Pipeline): the first
 `online.sampler_devices` devices sample, the rest train; weights move from the trainer's
-sharding to the sampler's in memory (`Placement.publish`: a resharding `device_put`)."""
+sharding to the sampler's decode layout, in the sampling dtype, in memory (`Placement.publish`:
+one resharding `device_put` per version)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.parallel.mesh import AxisSizes, make_mesh, resolve_mesh_shape
 from jaxrl_llm.parallel.rules import state_shardings
+from jaxrl_llm.sampling.layout import DecodeLayout, from_mesh
+
+# Said where one device cannot be split (instead of an empty range such as "1 … 0").
+ONE_DEVICE = (
+    "this process has 1 device, and a split needs at least 2. On a CPU, ask XLA for several "
+    "host devices before starting: XLA_FLAGS=--xla_force_host_platform_device_count=4 (they "
+    "share the CPU's cores); on a GPU or TPU host each chip is a device. Or run the sides as "
+    "separate processes (online.exchange: a directory both share, with online.sampler_devices: "
+    "0), or sample and train in turn (online.pipeline: off)")
 
 
 def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
@@ -54,6 +64,9 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
                 "before update u−1 ends and nothing can overlap. Set online.staleness: 1 (or "
                 "more), or online.pipeline: off")
         if o.sampler_devices < 1 and not o.exchange:
+            if len(devices) < 2:
+                raise ConfigError(f"online.pipeline={o.pipeline} runs the sampler on devices of "
+                                  f"its own (online.sampler_devices): {ONE_DEVICE}")
             raise ConfigError(
                 f"online.pipeline={o.pipeline} runs the sampler on its own devices: set "
                 f"online.sampler_devices to 1 … {len(devices) - 1} (of the {len(devices)} "
@@ -61,6 +74,9 @@ def check_placement(config: OnlineConfig, devices: Sequence[Any]) -> None:
     if o.sampler_devices and jax.process_count() > 1:
         raise ConfigError("online.sampler_devices splits one host's devices; a multi-host "
                           "job runs the serial loop: set online.sampler_devices: 0")
+    if o.sampler_devices and len(devices) < 2:
+        raise ConfigError(f"online.sampler_devices={o.sampler_devices} splits this host's "
+                          f"devices between sampler and trainer: {ONE_DEVICE}")
     if o.sampler_devices >= len(devices):
         raise ConfigError(
             f"online.sampler_devices={o.sampler_devices} covers all {len(devices)} devices and "
@@ -86,12 +102,28 @@ class Placement:
     def split(self) -> bool:
         return self.trainer is not self.sampler
 
-    def publish(self, params: Any, model_state: Any) -> tuple[Any, Any]:
+    def sampler_layout(self, kv_heads: int | None, *, data: int | None = None,
+                       tensor: int | None = None) -> DecodeLayout:
+        """The sampler's decode layout over its mesh (`sampling.layout.from_mesh`; the keys'
+        `generate.decode_data` × `generate.decode_tensor`), placed on its device even when it
+        has one."""
+        layout = from_mesh(self.sampler, kv_heads, data=data, tensor=tensor)
+        if layout.mesh is None:
+            return DecodeLayout(self.sampler, tuple(self.sampler.axis_names), None)
+        return layout
+
+    def publish(self, params: Any, model_state: Any, layout: DecodeLayout | None = None,
+                dtype: Any = None) -> tuple[Any, Any]:
         """The weights on the sampler's devices, copied (the trainer's next step donates its
-        own buffers), waited for: the caller times the trainer's pause."""
-        moved = jax.device_put((params, model_state),
-                               (state_shardings(params, self.sampler),
-                                state_shardings(model_state, self.sampler)))
+        own buffers), waited for: the caller times the trainer's pause. With the sampler's
+        decode `layout` (`sampler_layout`) and sampling `dtype`, the copy is the one the
+        sampler decodes with: it makes none of its own. Without: the trainer's rules."""
+        if layout is not None:
+            moved = (layout.place_state(params, dtype), layout.place_state(model_state, dtype))
+        else:
+            moved = jax.device_put((params, model_state),
+                                   (state_shardings(params, self.sampler),
+                                    state_shardings(model_state, self.sampler)))
         return jax.block_until_ready(moved)
 
 

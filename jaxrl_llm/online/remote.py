@@ -276,7 +276,15 @@ class StoredWeights:
         if self.ex.wait(path.exists, f"weight version θ_{version}",
                         "`jaxrl-llm online --role trainer`", give_up=self._passed) is None:
             raise _Skip
-        header, arrays = self.ex.load(version)
+        try:
+            header, arrays = self.ex.load(version)
+        except FileNotFoundError:
+            if not self.free:
+                raise
+            # free: the trainer keeps only its newest versions and deleted this one between
+            # the check above and the read (a gs:// read can outlast two updates): the
+            # caller takes the newest instead (`_sample`)
+            raise _Newer from None
         ours = [(jax.tree_util.keystr(p), a.dtype.name, list(a.shape)) for p, a in self._flat]
         theirs = [tuple(leaf) for leaf in header["leaves"]]
         if header.get("identity", {}).get("model") != self.identity["model"] or \

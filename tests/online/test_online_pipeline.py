@@ -202,6 +202,26 @@ def test_pipeline_mistakes_are_refused_before_loading(tmp_path: Path, online: di
     assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("online", [{"pipeline": "deterministic", "staleness": 1},
+                                    {"pipeline": "deterministic", "staleness": 1,
+                                     "sampler_devices": 1}])
+def test_one_device_is_told_how_to_get_several(online: dict) -> None:
+    """On one device neither "at most 0" nor "1 … 0 (of the 1 devices)": the refusal says
+    how to get several CPU devices, and what runs without them."""
+    import jax
+
+    from jaxrl_llm.online.placement import check_placement
+
+    tree = tiny("run", online=online)
+    with pytest.raises(ConfigError) as err:
+        check_placement(config_from_dict(tree, schema=OnlineConfig), jax.devices()[:1])
+    message = str(err.value)
+    assert "this process has 1 device" in message
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in message
+    assert "online.exchange" in message and "online.pipeline: off" in message
+    assert "at most 0" not in message and "1 … 0" not in message
+
+
 def test_the_serial_loop_refuses_a_split_placement_instead_of_ignoring_it(tmp_path: Path) -> None:
     tree = tiny(tmp_path / "bad", online={"sampler_devices": 2})
     with pytest.raises(ConfigError, match="run_pipeline"):

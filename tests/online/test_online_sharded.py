@@ -46,6 +46,9 @@ def test_eight_devices_match_one(tmp_path: Path) -> None:
     assert all(r["grad_norm"] > 0 for r in one_rows if "grad_norm" in r)
     # AdamW divides each update by √v: the sharded and one-device reductions' float32 rounding
     # (≈1e-7 in a gradient) reaches ≈2.5e-5 in a few parameters after 3 updates at lr 3e-2 (1
-    # of 1,024 q-projection weights on the per-sample noise stream); 5e-5 is 2× that.
+    # of 1,024 q-projection weights on the per-sample noise stream). Since the sampler decodes
+    # on all 8 devices too (4 × 2 slot groups, its sampler log-probs rounding differently in the
+    # last bits: tests/parallel/test_sharded_sampler.py) that weight differs by 9.4e-5; 2e-4 is
+    # 2× that and 150× below one update's step.
     for key in one:
-        np.testing.assert_allclose(eight[key], one[key], rtol=1e-4, atol=5e-5, err_msg=key)
+        np.testing.assert_allclose(eight[key], one[key], rtol=1e-4, atol=2e-4, err_msg=key)

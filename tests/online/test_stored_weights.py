@@ -49,3 +49,36 @@ def test_a_restarted_trainer_s_version_is_reloaded_or_restamped(tmp_path):
     assert weights.incarnation == "again"
     kernel = jax.tree_util.tree_leaves(params)[1]
     np.testing.assert_array_equal(np.asarray(kernel), np.full((2, 3), 3.0, np.float32))
+
+
+def test_a_version_deleted_while_a_free_worker_reads_it_gives_the_newest(tmp_path):
+    """Issue 55 item 5: the free-running trainer keeps only its newest versions, so one can
+    vanish between the worker's existence check and its read. A deleting trainer (the delete
+    lands inside the read) makes the worker take the newest version instead of crashing."""
+    import pytest
+
+    from jaxrl_llm.online import remote
+
+    ex = Exchange(str(tmp_path), timeout_s=5)
+    weights = _worker(ex)
+    _publish(ex, 1, 1.0, "t")
+    _publish(ex, 2, 2.0, "t")
+    real_load = ex.load
+
+    def deleting_load(version: int):
+        if version == 1:  # the trainer's garbage collection, between check and read
+            ex.weights_path(1).unlink()
+        return real_load(version)
+
+    ex.load = deleting_load  # type: ignore[method-assign]
+    with pytest.raises(remote._Newer):
+        weights.take(1)
+    version, (params, _) = weights.take_newest()
+    assert version == 2
+    np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(params)[1]),
+                                  np.full((2, 3), 2.0, np.float32))
+
+    weights.free = False  # deterministic: θ_v must exist, a missing one is an error
+    _publish(ex, 1, 1.0, "t")
+    with pytest.raises(FileNotFoundError):
+        weights.take(1)
