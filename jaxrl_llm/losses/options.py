@@ -90,6 +90,21 @@ def topr_check(values: Mapping[str, Any]) -> str | None:
     return None
 
 
+def no_ratio_check(name: str) -> OptionsCheck:
+    """`topr_check`, and for a TOPR preset that reads no μ (sft, reinforce: weights 1/0 or 1,
+    no ratio) a refusal of the ratio bounds: a set bound would weigh its records by π/μ, with
+    μ never scored for it (zero-filled)."""
+    def check(values: Mapping[str, Any]) -> str | None:
+        bound = next((o.key for o in TOPR_BOUNDS if values[o.key] is not None), None)
+        if bound is not None:
+            return (f"loss.{bound}={values[bound]} with loss.name={name}: {name} reads no μ "
+                    "(its records are never scored for it), so a ratio bound would weigh them "
+                    "by π/μ over a μ of zeros. The ratio bounds belong to the losses that read "
+                    "μ (loss.name=topr, tis, opr): use one of those, or unset the bound")
+        return topr_check(values)
+    return check
+
+
 TOPR_OPTIONS = (*TOPR_BOUNDS, LENGTH_NORM, RATIO_LEVEL, AGGREGATION)
 
 # ----------------------------------------------------------------------- PPO / GRPO clipping

@@ -50,6 +50,7 @@ from jaxrl_llm.losses.options import (
     TOPR_OPTIONS,
     Option,
     OptionsCheck,
+    no_ratio_check,
     ppo_check,
     topr_check,
 )
@@ -112,7 +113,7 @@ def _topr(name: str, minimises: str, needs_mu: bool) -> LossSpec:
         return partial(pg.topr_loss, **pg.TOPR_PRESETS[name])
 
     return LossSpec(name, load, "topr", minimises, positive="baseline", needs_mu=needs_mu,
-                    options=TOPR_OPTIONS, check=topr_check)
+                    options=TOPR_OPTIONS, check=topr_check if needs_mu else no_ratio_check(name))
 
 
 _GROUP_INPUTS = ("logp", "logmu", "mask", "rewards", "group_ids")

@@ -534,6 +534,9 @@ def test_public_path_grpo_clip_higher_dual_clip_ddof1():
     ({"name": "ppo", "aggregation": "token-mean"}, r"loss\.aggregation has no effect.*ratio_level"),
     ({"name": "topr", "length_norm": False, "aggregation": "token-mean"},
      r"loss\.length_norm=false and loss\.aggregation=token-mean"),
+    # sft and reinforce read no μ: a ratio bound would weigh records by π/μ over zeros
+    ({"name": "reinforce", "a_neg": 0.5}, r"loss\.a_neg=0\.5 with loss\.name=reinforce.*μ of zeros"),
+    ({"name": "sft", "b_pos": 2.0}, r"loss\.b_pos=2\.0 with loss\.name=sft.*topr, tis, opr"),
 ])
 def test_config_refuses_bad_or_unread_options(loss, match):
     with pytest.raises(ConfigError, match=match):
