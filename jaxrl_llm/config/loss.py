@@ -47,6 +47,14 @@ class _LossSection(Section):
         problem = option_problem(self.spec, dict(self))
         if problem:
             raise ValueError(problem)
+        if self.baseline != 0 and self.spec.positive != "baseline":
+            raise ValueError(
+                f"loss.baseline={self.baseline} has no effect with loss.name={self.name}: "
+                "only the TOPR family and ppo subtract it from the rewards (TOPR eq. 12); "
+                f"{self.name}'s advantages come from its "
+                + {"group": "groups", "correct": "verifier's split"}.get(
+                    str(self.spec.positive), "record pairs or batch")
+                + ": unset loss.baseline")
         return self
 
     @property

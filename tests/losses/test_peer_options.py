@@ -537,6 +537,9 @@ def test_public_path_grpo_clip_higher_dual_clip_ddof1():
     # sft and reinforce read no μ: a ratio bound would weigh records by π/μ over zeros
     ({"name": "reinforce", "a_neg": 0.5}, r"loss\.a_neg=0\.5 with loss\.name=reinforce.*μ of zeros"),
     ({"name": "sft", "b_pos": 2.0}, r"loss\.b_pos=2\.0 with loss\.name=sft.*topr, tis, opr"),
+    # a loss whose advantages come from elsewhere never reads loss.baseline
+    ({"name": "grpo", "baseline": 0.3}, r"loss\.baseline=0\.3 has no effect with loss\.name=grpo"),
+    ({"name": "dpo", "baseline": -0.3}, r"loss\.baseline=-0\.3 has no effect with loss\.name=dpo"),
 ])
 def test_config_refuses_bad_or_unread_options(loss, match):
     with pytest.raises(ConfigError, match=match):
