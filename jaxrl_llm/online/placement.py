@@ -107,10 +107,7 @@ class Placement:
         """The sampler's decode layout over its mesh (`sampling.layout.from_mesh`; the keys'
         `generate.decode_data` × `generate.decode_tensor`), placed on its device even when it
         has one."""
-        layout = from_mesh(self.sampler, kv_heads, data=data, tensor=tensor)
-        if layout.mesh is None:
-            return DecodeLayout(self.sampler, tuple(self.sampler.axis_names), None)
-        return layout
+        return from_mesh(self.sampler, kv_heads, data=data, tensor=tensor, placed=True)
 
     def publish(self, params: Any, model_state: Any, layout: DecodeLayout | None = None,
                 dtype: Any = None) -> tuple[Any, Any]:

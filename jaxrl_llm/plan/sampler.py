@@ -26,7 +26,7 @@ from jaxrl_llm.parallel.memory import ProgramMemory
 from jaxrl_llm.parallel.rules import state_shardings
 from jaxrl_llm.sampling.continuous import ContinuousSampler
 from jaxrl_llm.sampling.decode_program import Program, fused_layer_params
-from jaxrl_llm.sampling.layout import DECODE_PARAM_RULES, DecodeLayout, _castable, from_mesh
+from jaxrl_llm.sampling.layout import DECODE_PARAM_RULES, DecodeLayout, castable, from_mesh
 from jaxrl_llm.sampling.prompt_cache import init_staging, init_store
 from jaxrl_llm.sampling.sampler import window_ends
 from jaxrl_llm.sampling.slot_program import decode_slots, init_slots, prefill_staging
@@ -101,9 +101,7 @@ def make_sampler_plan(config: Any, decoder: Any, mesh: Any, chip_memory: int | N
     g = config.generate
     if layout is None:
         layout = from_mesh(mesh, decoder.num_kv_heads, data=g.decode_data,
-                           tensor=g.decode_tensor)
-    if layout.mesh is None:  # one device: a one-device mesh still places every array there
-        layout = DecodeLayout(mesh, tuple(mesh.axis_names), None)
+                           tensor=g.decode_tensor, placed=True)
     prompt_len = config.plan.sampler_prompt_len or max(
         1, config.train.max_seq_len - g.max_new_tokens)
     slots = -(-g.batch_size * g.n // layout.groups) * layout.groups
@@ -114,7 +112,7 @@ def make_sampler_plan(config: Any, decoder: Any, mesh: Any, chip_memory: int | N
         graphdef, state = nnx.split(model)
         state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(
-                a.shape, dtype if _castable(a, jax.numpy.dtype(dtype)) else a.dtype, sharding=s),
+                a.shape, dtype if castable(a, jax.numpy.dtype(dtype)) else a.dtype, sharding=s),
             state, state_shardings(state, layout.mesh, DECODE_PARAM_RULES))
         model = nnx.merge(graphdef, state)
         sampler = ContinuousSampler(model, slots=slots, batch_size=g.batch_size,

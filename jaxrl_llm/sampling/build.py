@@ -29,7 +29,7 @@ from jaxrl_llm.parallel.memory import (
     gib,
 )
 from jaxrl_llm.sampling.continuous import ContinuousSampler
-from jaxrl_llm.sampling.layout import DecodeLayout, _castable, from_model, sampling_dtype
+from jaxrl_llm.sampling.layout import DecodeLayout, castable, from_model, sampling_dtype
 from jaxrl_llm.sampling.sampler import Sampler, default_bucket, sampling_bytes
 
 BATCHING = ("continuous", "static")
@@ -45,12 +45,12 @@ def decode_weights_bytes(model: Any, layout: DecodeLayout | None = None) -> int:
     tensor = 1 if layout is None else layout.tensor
 
     def size(a: Any) -> int:
-        item = dtype.itemsize if dtype is not None and _castable(a, dtype) else a.dtype.itemsize
+        item = dtype.itemsize if dtype is not None and castable(a, dtype) else a.dtype.itemsize
         return a.size * item // (tensor if a.ndim >= 2 else 1)
 
     layers = sum(size(a) for a in jax.tree.leaves(nnx.state(model.layers, nnx.Param)))
     placed = layout is not None and (layout.mesh is not None or any(
-        dtype is not None and _castable(a, dtype) for a in jax.tree.leaves(nnx.state(model))))
+        dtype is not None and castable(a, dtype) for a in jax.tree.leaves(nnx.state(model))))
     return layers + (sum(size(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
                      if placed else 0)
 

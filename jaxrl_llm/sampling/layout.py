@@ -163,10 +163,10 @@ class DecodeLayout:
         """The model's `nnx` state in this layout (one resharding device-to-device copy; none
         when it is there already), its float arrays cast to `dtype` when given (the sampling
         dtype, `sampling_dtype`: the trainer's float32 masters are not what a bf16 model
-        decodes with; only ≥ 2-D float weights are cast, `_castable`)."""
+        decodes with; only ≥ 2-D float weights are cast, `castable`)."""
         if dtype is not None:
             dtype = jax.numpy.dtype(dtype)
-            cast = lambda a: a.astype(dtype) if _castable(a, dtype) else a
+            cast = lambda a: a.astype(dtype) if castable(a, dtype) else a
         if self.mesh is None:
             return state if dtype is None else jax.tree.map(cast, state)
         shardings = state_shardings(state, self.mesh, DECODE_PARAM_RULES)
@@ -176,7 +176,7 @@ class DecodeLayout:
         return jax.device_put(jax.tree.map(cast, state), shardings)
 
 
-def _castable(a: Any, dtype: Any) -> bool:
+def castable(a: Any, dtype: Any) -> bool:
     """A weight matrix (≥ 2-D float) wider than the sampling dtype: the model casts it to its
     compute dtype at every use, so casting it once first changes no value. Norm scales and
     biases (1-D) stay: RMSNorm reads its scale in float32."""
@@ -219,10 +219,20 @@ def from_model(model: Any, *, data: int | None = None, tensor: int | None = None
 def from_mesh(mesh: Mesh | None, kv_heads: int | None, *, data: int | None = None,
               tensor: int | None = None,
               keys: tuple[str, str] = ("generate.decode_data", "generate.decode_tensor"),
-              ) -> DecodeLayout:
+              placed: bool = False) -> DecodeLayout:
     """The decode layout over `mesh`'s devices (module docstring): derived from the mesh, or
     `data` × `tensor`. Refuses (ConfigError naming `keys`) a layout larger than those devices,
-    one that leaves devices idle, and a tensor size that does not divide the `kv_heads`."""
+    one that leaves devices idle, and a tensor size that does not divide the `kv_heads`.
+    `placed`: on a one-device mesh too, a layout on that device (a publish or a plan must name
+    where the arrays go), where the sampler's own is unplaced (the default device)."""
+    layout = _from_mesh(mesh, kv_heads, data=data, tensor=tensor, keys=keys)
+    if placed and layout.mesh is None and mesh is not None:
+        return DecodeLayout(mesh, tuple(mesh.axis_names), None)
+    return layout
+
+
+def _from_mesh(mesh: Mesh | None, kv_heads: int | None, *, data: int | None,
+               tensor: int | None, keys: tuple[str, str]) -> DecodeLayout:
     devices = [] if mesh is None else list(mesh.devices.flat)
     count = max(1, len(devices))
     if data is None and tensor is None:
