@@ -103,10 +103,15 @@ class Weights:
                 if self._closed:
                     raise _Stopped
                 self._cond.wait(POLL_S)
-            for old in [v for v in self._versions if v < version]:
-                del self._versions[old]  # no later round samples with it
-            self._taken = version
-            return self._versions[version]
+            return self._take(version)
+
+    def _take(self, version: int) -> Any:
+        """θ_version, the older versions dropped (no later round samples with them); the
+        lock is held."""
+        for old in [v for v in self._versions if v < version]:
+            del self._versions[old]
+        self._taken = version
+        return self._versions[version]
 
     def take_newest(self, after: int | None = None) -> tuple[int, Any] | None:
         """(v, θ_v) for the newest version v, taken at once (free-running mode: a put between
@@ -119,10 +124,7 @@ class Weights:
             version = max(self._versions)
             if after is not None and version <= after:
                 return None
-            for old in [v for v in self._versions if v < version]:
-                del self._versions[old]
-            self._taken = version
-            return version, self._versions[version]
+            return version, self._take(version)
 
     def close(self) -> None:
         with self._cond:
