@@ -13,9 +13,11 @@ A sync is the hand-over of the trainer's newest weights to the sampler:
   export (`weights.hf_export.save_pretrained` into `core.atomic.atomic_directory`: what vLLM
   reloads), read with `weights.hf.load_pretrained` straight onto the sampler's mesh;
 - **exchange** (what `jaxrl-llm online --role trainer / --role worker` do, online/remote.py):
-  the trainer's own `StorageTrainer.publish` (gather to the host, one `weights/vNNNNNNNN.bin`
-  blob written atomically with its SHA-256) and a worker's own `StoredWeights.take` (read,
-  size and checksum checked, arrays checked against its model, put on its devices).
+  the trainer's own `StorageTrainer.publish` (this process's shards in the sampling dtype,
+  no gather: one `weights/vNNNNNNNN-pPPPofNNN.bin` part per trainer process, written
+  atomically with its SHA-256) and a worker's own `StoredWeights.take` (every part read, size
+  and checksum checked, assembled, checked against its model, put straight into its decode
+  layout).
 
 6 fake CPU devices (4 train, 2 sample: every dimension of these models splits evenly) on this
 host; storage is its local disk, read right after writing (page cache warm: a second host
@@ -154,23 +156,26 @@ def trainer_weights(name: str, dtype: str) -> tuple[Any, Any, Any, Any]:
     return placement, nnx.merge(graphdef, params, rest), params, rest
 
 
-def exchange_sides(name: str, dtype: str, placement: Any, params: Any, rest: Any,
+def exchange_sides(name: str, dtype: str, placement: Any, model: Any, params: Any, rest: Any,
                    root: Path) -> tuple[Any, Any]:
     """(trainer, worker weights): the storage pipeline's own two sides (online/remote.py) over
-    an exchange at `root`, the trainer holding `params`/`rest`; the worker's side is built from
-    their shapes alone (a second host holds no copy of the trainer's)."""
+    an exchange at `root`, the trainer holding `params`/`rest` and publishing its part in the
+    sampling dtype; the worker's side is built from their shapes alone (a second host holds no
+    copy of the trainer's) and loads each version straight into its decode layout."""
     import jax
     import jax.numpy as jnp
 
     from jaxrl_llm.api import Policy
     from jaxrl_llm.online import loop
     from jaxrl_llm.online.exchange import Exchange
-    from jaxrl_llm.online.pipeline import SamplerSide
     from jaxrl_llm.online.remote import StorageTrainer, StoredWeights
+    from jaxrl_llm.sampling.layout import sampling_dtype
     from jaxrl_llm.train.state import TrainState
 
     config = _config(MODELS[name], dtype)
-    ex, identity = Exchange(str(root), timeout_s=60.0), {"model": name}
+    ex = Exchange(str(root), timeout_s=60.0)
+    manifest = {"model": name, "run_id": "benchmark", "about": {"name": name, "run_dir": ""}}
+    sampling = sampling_dtype(model)
 
     def policy(p: Any, r: Any) -> Any:  # no optimizer state: publish reads params, model_state
         state = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=None,
@@ -180,11 +185,11 @@ def exchange_sides(name: str, dtype: str, placement: Any, params: Any, rest: Any
     trainer = StorageTrainer(config=config, experiment=None, placement=placement,
                              policy=policy(params, rest), run=loop._Run(0), meta={},
                              checkpointer=None, side=None, weights=None, ex=ex,
-                             identity=identity, incarnation="benchmark")
+                             manifest=manifest, dtype=sampling, incarnation="benchmark")
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, rest))
-    side = SamplerSide(config, policy(*shapes), placement, [], None,  # type: ignore[arg-type]
-                       mu_source=None, mu=None)  # type: ignore[arg-type]
-    return trainer, StoredWeights(ex, side, identity)
+    layout = placement.sampler_layout(model.config.num_kv_heads)
+    return trainer, StoredWeights(ex, shapes, layout.weight_shardings(shapes), manifest,
+                                  sampling)
 
 
 def measure(name: str, path: str, dtype: str, repeats: int, directory: Path) -> dict[str, Any]:
@@ -227,7 +232,7 @@ def measure(name: str, path: str, dtype: str, repeats: int, directory: Path) -> 
         trainer: Any = None
         worker: Any = None
         if path == "exchange":
-            trainer, worker = exchange_sides(name, dtype, placement, params, rest, root)
+            trainer, worker = exchange_sides(name, dtype, placement, model, params, rest, root)
 
         def save(i: int) -> None:
             if path == "exchange":  # version i + 1: the trainer's publish after update i + 1

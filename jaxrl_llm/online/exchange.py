@@ -1,11 +1,17 @@
 """The storage the trainer and the rollout workers share (`online.exchange`, docs/online.md §
 Pipeline), local or `gs://`, through `core.atomic` (a file appears whole or not at all):
 
-    manifest.json          the trainer's run: model and tokenizer identity, the sampling keys
+    manifest.json          the trainer's run: model, tokenizer, every key that changes what it
+                           computes, and their hash, the run id (run_identity.py)
     trainer.json           the trainer's progress: rounds checkpointed and consumed, done
     mu_source.json         μ's source decided on round 0 (online.mu_source: auto)
-    weights/v00000003.bin  θ_3 (every array of params and model state, by path)
+    weights/v00000003-p001of004.bin
+                           trainer process 1's part of θ_3 (of 4): the shards of params and
+                           model state it holds, in the sampling dtype (weight_parts.py)
     rounds/r00000005.bin   round 5's samples, with the version that sampled them
+
+Every file names the run that wrote it (its run id, run_identity.py); a side of another run
+is refused.
 
 A `.bin` is a blob: 8 bytes of header length, a JSON header holding the payload's size and
 SHA-256, then the payload. It is written under a temporary name and renamed (an object store
@@ -17,24 +23,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 from etils import epath
 
 from jaxrl_llm.core.atomic import atomic_write_bytes, atomic_write_text
 from jaxrl_llm.core.errors import ConfigError
-from jaxrl_llm.core.paths import RUN_PATH_KEYS, as_path
+from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.data.records import Record, validate_record
-from jaxrl_llm.online.config import OnlineConfig
+from jaxrl_llm.online.weight_parts import assemble
 
 POLL_S = 0.05  # how often a waiting side looks at the exchange again
 _LEN = struct.Struct("<Q")
+_PART = re.compile(r"v(\d{8})-p(\d{3})of(\d{3})\.bin")
+_ROUND = re.compile(r"r(\d{8})\.bin")
 
 
 class ExchangeError(ConfigError):
@@ -68,25 +76,6 @@ def read_blob(path: epath.Path, what: str) -> tuple[dict[str, Any], bytes]:
     return header, payload
 
 
-def arrays_payload(named: Sequence[tuple[str, np.ndarray]]) -> tuple[list[Any], bytes]:
-    """The blob of named arrays: [(name, dtype, shape)] and their raw bytes, concatenated."""
-    arrays = [(n, np.ascontiguousarray(a)) for n, a in named]
-    return ([[n, a.dtype.name, list(a.shape)] for n, a in arrays],
-            b"".join(a.tobytes() for _, a in arrays))
-
-
-def arrays_from(leaves: list[Any], payload: bytes) -> list[np.ndarray]:
-    out, offset = [], 0
-    for _, dtype, shape in leaves:
-        dt = np.dtype(getattr(ml_dtypes, dtype, dtype))  # bfloat16 is ml_dtypes'
-
-        size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        out.append(np.frombuffer(payload, dt, count=size // dt.itemsize, offset=offset)
-                   .reshape(shape))
-        offset += size
-    return out
-
-
 class Exchange:
     """The layout of the module docstring under `root`."""
 
@@ -95,24 +84,43 @@ class Exchange:
         self.weights, self.rounds = self.root / "weights", self.root / "rounds"
 
     # -- names -----------------------------------------------------------------------------
-    def weights_path(self, version: int) -> epath.Path:
-        return self.weights / f"v{version:08d}.bin"
+    def part_path(self, version: int, part: int, parts: int) -> epath.Path:
+        """Trainer process `part`'s part of θ_version (of `parts`; online/weight_parts.py)."""
+        return self.weights / f"v{version:08d}-p{part:03d}of{parts:03d}.bin"
 
     def round_path(self, round_index: int) -> epath.Path:
         return self.rounds / f"r{round_index:08d}.bin"
 
-    def _numbers(self, folder: epath.Path, prefix: str) -> list[int]:
-        """The indices of the complete files in `folder` (temporary names start with '.')."""
+    def _names(self, folder: epath.Path, pattern: re.Pattern[str]) -> list[re.Match[str]]:
+        """The complete files in `folder` (temporary names start with '.') matching it."""
         if not folder.exists():
             return []
-        return sorted(int(p.name[1:-4]) for p in folder.iterdir()
-                      if p.name.startswith(prefix) and p.name.endswith(".bin"))
+        return [m for p in folder.iterdir() if (m := pattern.fullmatch(p.name))]
+
+    def _parts(self) -> dict[int, dict[int, set[int]]]:
+        """{version: {parts: {part, ...}}} of the weight parts on file."""
+        found: dict[int, dict[int, set[int]]] = {}
+        for m in self._names(self.weights, _PART):
+            version, part, parts = (int(g) for g in m.groups())
+            found.setdefault(version, {}).setdefault(parts, set()).add(part)
+        return found
+
+    def parts_of(self, version: int) -> list[epath.Path]:
+        """The paths of θ_version's parts when every one is on file (the largest complete
+        set: a multi-host trainer restarted on fewer hosts leaves a stale larger one); []."""
+        sets = self._parts().get(version, {})
+        complete = [n for n, have in sets.items() if have == set(range(n))]
+        if not complete:
+            return []
+        n = max(complete)
+        return [self.part_path(version, p, n) for p in range(n)]
 
     def versions(self) -> list[int]:
-        return self._numbers(self.weights, "v")
+        """The weight versions every part of which is on file."""
+        return sorted(v for v in self._parts() if self.parts_of(v))
 
     def sampled_rounds(self) -> list[int]:
-        return self._numbers(self.rounds, "r")
+        return sorted(int(m.group(1)) for m in self._names(self.rounds, _ROUND))
 
     # -- JSON files ------------------------------------------------------------------------
     def read_json(self, name: str) -> dict[str, Any] | None:
@@ -148,17 +156,18 @@ class Exchange:
             time.sleep(POLL_S)
 
     # -- weights ---------------------------------------------------------------------------
-    def publish(self, version: int, named: Sequence[tuple[str, np.ndarray]],
-                identity: dict[str, Any]) -> None:
-        leaves, payload = arrays_payload(named)
-        write_blob(self.weights_path(version), {"version": version, "leaves": leaves,
-                                                "identity": identity}, payload)
+    def publish_part(self, version: int, part: int, parts: int, leaves: list[Any],
+                     payload: bytes, identity: dict[str, Any]) -> None:
+        """Write this trainer process's part of θ_version (`weight_parts.local_part`)."""
+        write_blob(self.part_path(version, part, parts),
+                   {"version": version, "part": part, "parts": parts, "leaves": leaves,
+                    "identity": identity}, payload)
 
-    def header(self, version: int) -> dict[str, Any] | None:
-        """θ_version's blob header alone (its payload's SHA-256 names its bytes); None once
+    def part_header(self, path: epath.Path) -> dict[str, Any] | None:
+        """A part's blob header alone (its payload's SHA-256 names its bytes); None once
         collected, {} when unreadable (`load` then says why)."""
         try:
-            with self.weights_path(version).open("rb") as f:
+            with path.open("rb") as f:
                 (size,) = _LEN.unpack(f.read(_LEN.size))
                 return json.loads(f.read(size))
         except FileNotFoundError:
@@ -166,9 +175,42 @@ class Exchange:
         except (struct.error, ValueError):
             return {}
 
+    def header(self, version: int) -> dict[str, Any] | None:
+        """θ_version's parts' headers as one: `sha256` names every part's bytes, `identity`
+        is theirs when they agree (a restarted trainer overwriting a killed one's parts can
+        leave them mixed for a moment: then None, as for a version not on file)."""
+        heads = [self.part_header(p) for p in self.parts_of(version)]
+        if not heads or any(h is None for h in heads):
+            return None
+        ids = {json.dumps(h.get("identity"), sort_keys=True) for h in heads if h}
+        if len(ids) > 1:
+            return None
+        return {"sha256": ":".join(str(h.get("sha256")) for h in heads),
+                "identity": heads[0].get("identity", {}) if heads[0] else {}}
+
     def load(self, version: int) -> tuple[dict[str, Any], list[np.ndarray]]:
-        header, payload = read_blob(self.weights_path(version), f"weight version θ_{version}")
-        return header, arrays_from(header["leaves"], payload)
+        """θ_version's header (`header`'s fields) and whole arrays, assembled from every
+        part; `FileNotFoundError` when a part is gone (collected), `ExchangeError` when torn
+        or inconsistent."""
+        paths = self.parts_of(version)
+        if not paths:
+            raise FileNotFoundError(f"weight version θ_{version} in {self.weights}")
+        blobs = [read_blob(p, f"weight version θ_{version} (part {i} of {len(paths)})")
+                 for i, p in enumerate(paths)]
+        ids = {json.dumps(h.get("identity"), sort_keys=True) for h, _ in blobs}
+        if len(ids) > 1:
+            raise FileNotFoundError(f"θ_{version}'s parts in {self.weights} come from two "
+                                    "trainers (one is overwriting the other's)")
+        try:
+            arrays = assemble([(h["leaves"], b) for h, b in blobs],
+                              f"{self.weights}/v{version:08d}-*")
+        except (KeyError, ValueError) as err:
+            raise ExchangeError(f"{err}: delete θ_{version}'s parts (the trainer writes them "
+                                "again on restart)") from None
+        head = blobs[0][0]
+        return ({"leaves": [leaf[:3] for leaf in head["leaves"]],
+                 "identity": head.get("identity", {}),
+                 "sha256": ":".join(h["sha256"] for h, _ in blobs)}, arrays)
 
     # -- rounds ----------------------------------------------------------------------------
     def put_round(self, round_index: int, header: dict[str, Any],
@@ -196,9 +238,10 @@ class Exchange:
                 versions_above: int | None = None) -> None:
         """Delete the versions and the round shards no side can need any more (and the
         versions above `versions_above`: a killed free-running trainer's, lost with it)."""
-        for v in self.versions():
+        for m in self._names(self.weights, _PART):
+            v = int(m.group(1))
             if v < versions_below or (versions_above is not None and v > versions_above):
-                _remove(self.weights_path(v))
+                _remove(self.weights / m.group(0))
         for r in self.sampled_rounds():
             if r < rounds_below:
                 _remove(self.round_path(r))
@@ -209,67 +252,3 @@ def _remove(path: epath.Path) -> None:
         path.unlink()
     except FileNotFoundError:  # another process collected it first
         pass
-
-
-def differences(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two JSON trees."""
-    out = []
-    for key in sorted(set(ours) | set(theirs)):
-        a, b = ours.get(key), theirs.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out
-
-
-def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
-    """What makes two tokenizers encode alike: name, vocabulary (hashed), special ids."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
-    return {"name": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
-            "vocab": len(vocab), "vocab_sha256": digest,
-            "eos_token_id": getattr(tokenizer, "eos_token_id", None),
-            "pad_token_id": getattr(tokenizer, "pad_token_id", None)}
-
-
-_RUN_KEYS = ("prompts_per_round", "updates_per_round", "staleness", "rounds", "pipeline",
-             "workers", "mu_source", "max_mu_mismatch", "pkpo_k", "pass_k", "max_staleness")
-
-
-def manifest_of(config: OnlineConfig, tokenizer: Any) -> dict[str, Any]:
-    """What both sides must agree on: the model, the tokenizer, and every key that decides
-    what a round samples (paths left out: two hosts may mount them differently)."""
-    tree = config.model_dump(mode="json")
-    for key in RUN_PATH_KEYS:
-        *sections, name = key.split(".")
-        node = tree
-        for section in sections:
-            node = node[section]
-        node.pop(name, None)
-    return {"model": tree["model"], "tokenizer": tokenizer_identity(tokenizer),
-            "run": {"seed": tree["seed"], "generate": tree["generate"], "data": tree["data"],
-                    "loss": tree["loss"]["name"],
-                    "online": {k: tree["online"][k] for k in _RUN_KEYS}}}
-
-
-def check_manifest(ex: Exchange, ours: dict[str, Any], theirs: dict[str, Any],
-                   side: str) -> None:
-    """Refuse a side whose model, tokenizer or sampling keys differ, naming both values."""
-    keys = differences(ours, theirs)
-    if not keys:
-        return
-
-    def value(tree: dict[str, Any], key: str) -> Any:
-        for part in key.split("."):
-            tree = tree.get(part) if isinstance(tree, dict) else None
-        return tree
-
-    shown = "; ".join(f"{k}: {side} {value(ours, k)!r}, the exchange {value(theirs, k)!r}"
-                      for k in keys[:6])
-    what = "model or tokenizer" if any(k.split(".")[0] in ("model", "tokenizer") for k in keys) \
-        else "sampling settings"
-    raise ExchangeError(
-        f"this {side}'s {what} differ from what the trainer publishes in "
-        f"{ex.root / 'manifest.json'} ({shown}): run every side with the same config, or give "
-        "a new run an empty online.exchange")

@@ -35,7 +35,7 @@ from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.online import loop
 from jaxrl_llm.online.config import OnlineConfig
-from jaxrl_llm.online.exchange import Exchange, ExchangeError, check_manifest, manifest_of
+from jaxrl_llm.online.exchange import Exchange, ExchangeError
 from jaxrl_llm.online.free import NO_END, free_counts, free_rounds, rounds_ahead
 from jaxrl_llm.online.lag import total_rounds, version_of
 from jaxrl_llm.online.pipeline import (
@@ -49,8 +49,10 @@ from jaxrl_llm.online.pipeline import (
 )
 from jaxrl_llm.online.placement import Placement, check_placement
 from jaxrl_llm.online.rounds import sampling_seed
+from jaxrl_llm.online.run_identity import check_file_run, check_manifest, manifest_of
+from jaxrl_llm.online.weight_parts import cast_for_sampling, expected_leaves, local_part
 from jaxrl_llm.parallel.mesh import make_mesh
-from jaxrl_llm.parallel.rules import state_shardings
+from jaxrl_llm.sampling.layout import sampling_dtype
 
 
 def check_roles(config: OnlineConfig, role: str | None, worker: int | None) -> None:
@@ -75,12 +77,12 @@ def _lead() -> bool:
     return jax.process_index() == 0
 
 
-def _host_arrays(tree: Any) -> list[tuple[str, np.ndarray]]:
-    """Every array of `tree` on this host, by path (multi-host: gathered on every process)."""
+def _shared_token() -> str:
+    """A random token every process of the job agrees on (process 0's)."""
+    token = np.frombuffer(secrets.token_bytes(8), np.uint8)
     if jax.process_count() > 1:
-        tree = multihost_utils.process_allgather(tree, tiled=True)
-    flat = jax.tree_util.tree_leaves_with_path(tree)
-    return [(jax.tree_util.keystr(p), np.asarray(a)) for p, a in flat]
+        token = np.asarray(multihost_utils.broadcast_one_to_all(token))
+    return bytes(token.astype(np.uint8)).hex()
 
 
 @dataclass
@@ -88,23 +90,32 @@ class StorageTrainer(Opened):
     """`pipeline.Opened` whose sampler side is the exchange."""
 
     ex: Any = None
-    identity: Any = None
+    manifest: Any = None  # run_identity.manifest_of: what names this run
+    dtype: Any = None  # the sampling dtype versions are published in
     incarnation: str = ""
     saved_round: int = 0  # the round (free: sampled rounds) of the newest checkpoint
     restored_updates: int = 0
     feed: Any = None
 
     def publish(self) -> float:
-        """θ_updates as a blob (deterministic: once; its bytes cannot change); the pause."""
+        """This process's part of θ_updates (weight_parts.py: the shards it holds, in the
+        sampling dtype; no process gathers the model; deterministic: once, its bytes cannot
+        change); the trainer's pause in seconds."""
         t0 = time.perf_counter()
-        v, deterministic = self.run.updates, self.config.online.pipeline == "deterministic"
-        # deterministic: θ_v's bytes cannot change, a copy left before a kill is kept
-        write = not (deterministic and self.ex.weights_path(v).exists())
-        if write or jax.process_count() > 1:  # the gather is collective: every process joins
-            state = self.policy.state
-            named = _host_arrays((state.params, state.model_state))
-            if write and _lead():
-                self.ex.publish(v, named, {**self.identity, "incarnation": self.incarnation})
+        v, part, parts = self.run.updates, jax.process_index(), jax.process_count()
+        path = self.ex.part_path(v, part, parts)
+        if self.config.online.pipeline == "deterministic":
+            head = self.ex.part_header(path)
+            if head:  # a part left before a kill is kept, when this run wrote it
+                check_file_run(path, "weight part", head.get("identity", {}).get("run"),
+                               self.manifest)
+                return time.perf_counter() - t0
+        state = self.policy.state
+        leaves, payload = local_part(cast_for_sampling((state.params, state.model_state),
+                                                       self.dtype))
+        self.ex.publish_part(v, part, parts, leaves, payload,
+                             {"run": self.manifest["run_id"], "model": self.manifest["model"],
+                              "incarnation": self.incarnation})
         return time.perf_counter() - t0
 
     def save(self, pending: list[Any], **extra: Any) -> None:
@@ -144,6 +155,8 @@ class StoredFeed:
         ex.wait(ex.round_path(r).exists, f"record shard of round {r} (worker {worker})",
                 f"`jaxrl-llm online --role worker --worker {worker}`")
         header, batches = ex.get_round(r, self.opened.config.model.vocab_size)
+        check_file_run(ex.round_path(r), "record shard", header.get("run"),
+                       self.opened.manifest)
         version = self._checked(r, int(header["version"]), header.get("incarnation"))
         self.waited += time.perf_counter() - t0
         self.next = r + 1
@@ -186,14 +199,14 @@ def run_trainer(config: OnlineConfig, *, progress: bool = True, eval_hook: Any =
     opened = open_run(config, sampler=False, opened=StorageTrainer)
     assert isinstance(opened, StorageTrainer)
     ex = opened.ex = Exchange(o.exchange, o.worker_timeout_s)
-    ours = manifest_of(config, opened.policy.tokenizer)
+    ours = opened.manifest = manifest_of(config, opened.policy.tokenizer)
     theirs = ex.read_json("manifest.json")
     if theirs is not None:
-        check_manifest(ex, ours, theirs, "trainer")
+        check_manifest(ex.root / "manifest.json", ours, theirs, "trainer")
     elif _lead():
         ex.write_json("manifest.json", ours)
-    opened.identity = {"model": ours["model"], "tokenizer": ours["tokenizer"]}
-    opened.incarnation = secrets.token_hex(8)
+    opened.dtype = sampling_dtype(opened.policy.model)
+    opened.incarnation = _shared_token()  # one for the whole (multi-host) trainer
     opened.restored_updates = opened.run.updates
     free = o.pipeline == "free"
     counts = free_counts(opened.meta)
@@ -222,17 +235,15 @@ class _Newer(Exception):
 
 
 class StoredWeights:
-    """`pipeline.Weights` for a worker: versions read from the exchange onto its mesh."""
+    """`pipeline.Weights` for a worker: versions read from the exchange, assembled from every
+    trainer process's part, straight into the worker's decode layout (`shardings`)."""
 
-    def __init__(self, ex: Exchange, side: SamplerSide, identity: dict[str, Any]) -> None:
-        self.ex, self.identity, self.round = ex, identity, 0
-        state = side.policy.state
-        template = (state.params, state.model_state)
-        self._flat = jax.tree_util.tree_leaves_with_path(template)
+    def __init__(self, ex: Exchange, template: Any, shardings: Any,
+                 manifest: dict[str, Any], dtype: Any) -> None:
+        self.ex, self.manifest, self.round = ex, manifest, 0
+        self._expected = expected_leaves(template, dtype)
         self._tree = jax.tree_util.tree_structure(template)
-        mesh = side.policy.mesh
-        self._shardings = (state_shardings(state.params, mesh),
-                           state_shardings(state.model_state, mesh))
+        self._shardings = shardings
         self._cached: tuple[int, Any] | None = None
         self._cached_sha: str | None = None
         self.incarnation: str | None = None
@@ -270,10 +281,10 @@ class StoredWeights:
             if head.get("sha256") == self._cached_sha:
                 self.incarnation = head.get("identity", {}).get("incarnation")
                 return self._cached[1]
-        path = self.ex.weights_path(version)
-        if self.free and not path.exists():
+        ready = lambda: self.ex.parts_of(version)
+        if self.free and not ready():
             raise _Newer
-        if self.ex.wait(path.exists, f"weight version θ_{version}",
+        if self.ex.wait(ready, f"weight version θ_{version}",
                         "`jaxrl-llm online --role trainer`", give_up=self._passed) is None:
             raise _Skip
         try:
@@ -282,23 +293,23 @@ class StoredWeights:
             if not self.free:
                 raise
             # free: the trainer keeps only its newest versions and deleted this one between
-            # the check above and the read (a gs:// read can outlast two updates): the
-            # caller takes the newest instead (`_sample`)
+            # the check above and the read (a gs:// read can outlast two updates), or a
+            # restarted trainer is overwriting it: the caller takes the newest (`_sample`)
             raise _Newer from None
-        ours = [(jax.tree_util.keystr(p), a.dtype.name, list(a.shape)) for p, a in self._flat]
+        where = f"{self.ex.weights}/v{version:08d}-*"
+        identity = header.get("identity", {})
         theirs = [tuple(leaf) for leaf in header["leaves"]]
-        if header.get("identity", {}).get("model") != self.identity["model"] or \
-                [tuple(x) for x in ours] != theirs:
+        ours = [tuple(leaf) for leaf in self._expected]
+        if identity.get("model") != self.manifest["model"] or ours != theirs:
             bad = next((f"{a} vs the trainer's {b}" for a, b in zip(ours, theirs)
-                        if tuple(a) != b), f"{len(ours)} arrays vs the trainer's {len(theirs)}")
+                        if a != b), f"{len(ours)} arrays vs the trainer's {len(theirs)}")
             raise ExchangeError(
-                f"{path}: θ_{version} does not fit this worker's model (model "
-                f"{self.identity['model']} vs the trainer's "
-                f"{header.get('identity', {}).get('model')}; first difference: {bad}): run "
-                "both sides with the same model: section")
+                f"{where}: θ_{version} does not fit this worker's model (first difference: "
+                f"{bad}): run both sides with the same model: section")
+        check_file_run(where, "weight version", identity.get("run"), self.manifest)
         placed = jax.block_until_ready(jax.device_put(
             jax.tree_util.tree_unflatten(self._tree, arrays), self._shardings))
-        self.incarnation = header.get("identity", {}).get("incarnation")
+        self.incarnation = identity.get("incarnation")
         self._cached, self._cached_sha = (version, placed), header.get("sha256")
         return placed
 
@@ -323,12 +334,18 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
     ours = manifest_of(config, policy.tokenizer)
     theirs = ex.wait(lambda: ex.read_json("manifest.json"), "manifest.json",
                      "`jaxrl-llm online --role trainer`")
-    check_manifest(ex, ours, theirs, "worker")
+    check_manifest(ex.root / "manifest.json", ours, theirs, "worker")
     problems = problems_of(config, policy)
-    side = SamplerSide(config, policy, Placement(mesh, mesh), problems, None,  # type: ignore[arg-type]
-                       mu_source=None, mu=sampler_mu(config))
-    weights = side.weights = StoredWeights(ex, side, {"model": ours["model"]})
-    del policy  # the side keeps its own Policy (no optimizer state)
+    placement = Placement(mesh, mesh)
+    # versions go straight into the decode layout the sampler decodes with: no second copy
+    layout = placement.sampler_layout(policy.model.config.num_kv_heads, data=g.decode_data,
+                                      tensor=g.decode_tensor)
+    template = (policy.state.params, policy.state.model_state)
+    weights = StoredWeights(ex, template, layout.weight_shardings(template), ours,
+                            sampling_dtype(policy.model))
+    side = SamplerSide(config, policy, placement, problems, weights, mu_source=None,
+                       mu=sampler_mu(config))
+    del policy, template  # the side keeps its own Policy (no optimizer state)
     engine = f"jax {jax.__version__}"
     if g.backend == "vllm":  # vLLM samples; the JAX policy takes the versions and scores μ
         from jaxrl_llm.online.vllm_rollout import VllmRollout
@@ -363,7 +380,8 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
                 continue
             if r == 0:  # the μ decision every later round keeps (online.mu_source: auto)
                 ex.write_json("mu_source.json", {"mu_source": done.mu_source})
-            ex.put_round(r, {"version": done.version, "position": done.position,
+            ex.put_round(r, {"run": ours["run_id"], "version": done.version,
+                             "position": done.position,
                              "metrics": done.metrics, "mu_source": done.mu_source,
                              "seconds": done.seconds, "worker": index,
                              "incarnation": weights.incarnation,

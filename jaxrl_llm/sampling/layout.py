@@ -159,6 +159,13 @@ class DecodeLayout:
         return self.merge(out)
 
     # ---- weights ----------------------------------------------------------------------------
+    def weight_shardings(self, state: Any) -> Any:
+        """Where the model's `nnx` state lives for decode (`DECODE_PARAM_RULES` over this
+        mesh: heads, MLP and vocabulary over tensor, the rest replicated); None unplaced."""
+        if self.mesh is None:
+            return None
+        return state_shardings(state, self.mesh, DECODE_PARAM_RULES)
+
     def place_state(self, state: Any, dtype: Any = None) -> Any:
         """The model's `nnx` state in this layout (one resharding device-to-device copy; none
         when it is there already), its float arrays cast to `dtype` when given (the sampling
@@ -169,7 +176,7 @@ class DecodeLayout:
             cast = lambda a: a.astype(dtype) if castable(a, dtype) else a
         if self.mesh is None:
             return state if dtype is None else jax.tree.map(cast, state)
-        shardings = state_shardings(state, self.mesh, DECODE_PARAM_RULES)
+        shardings = self.weight_shardings(state)
         if dtype is None:
             return jax.device_put(state, shardings)
         # Cast on the source devices first: only the lean copy crosses devices.

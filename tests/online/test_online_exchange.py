@@ -66,7 +66,7 @@ def _config(tmp_path: Path, **online: object) -> OnlineConfig:
 
 
 @pytest.mark.reliability
-@pytest.mark.slow  # eight refused set-ups, each with real side processes (~45 s)
+@pytest.mark.slow  # ten refused set-ups, each with real side processes (~45 s)
 def test_what_the_exchange_cannot_use_is_refused_naming_path_cause_and_fix(tmp_path: Path) -> None:
     failures = 0
     try:
@@ -75,14 +75,17 @@ def test_what_the_exchange_cannot_use_is_refused_naming_path_cause_and_fix(tmp_p
         failures = 1
         raise
     finally:
-        record("bad input", "online exchange: what a side cannot use", runs=8,
+        record("bad input", "online exchange: what a side cannot use", runs=10,
                failures=failures, detail="no worker (trainer: no record shard of round 0 … "
                "within online.worker_timeout_s … may not share this path); a worker of "
                "another model (model.hidden_size: worker 64, the exchange 32) or seed; a "
                "weight version torn at its final name (half-written … never loaded) or only "
                "at a temporary name (not loaded: no weight version θ_0 … within "
                "worker_timeout_s); a shard of θ_1 where the bound says θ_0 (outside the "
-               "bound); a torn shard (half-written record shard)")
+               "bound); a shard of another run (written by the run with id …, not this run …); a "
+               "torn shard (half-written record shard); a trainer of another learning rate "
+               "with its own run_dir (training settings differ … run.optim.learning_rate …, "
+               "naming both runs)")
 
 
 def _refusals(tmp_path: Path) -> None:
@@ -107,17 +110,17 @@ def _refusals(tmp_path: Path) -> None:
                        "the exchange 3"):
         run_worker(_config(tmp_path).model_copy(update={"seed": 4}), 0, progress=False)
     # 4. θ_0 torn at its final name (copied by hand, not renamed into place): never loaded
-    path = ex.weights_path(0)
+    path = ex.part_path(0, 0, 1)
     whole = path.read_bytes()
     path.write_bytes(whole[:len(whole) // 2])
-    with pytest.raises(ExchangeError, match=r"v00000000.bin: half-written weight version θ_0 "
-                       r".*never loaded.*delete it"):
+    with pytest.raises(ExchangeError, match=r"v00000000-p000of001.bin: half-written weight "
+                       r"version θ_0 \(part 0 of 1\).*never loaded.*delete it"):
         run_worker(_config(tmp_path), 0, progress=False)
     assert ex.sampled_rounds() == []
     # 5. only a temporary name (a writer killed mid-write): not a version; the worker waits
     # for θ_0, then names the exchange
     path.unlink()
-    (path.parent / ".v00000000.bin.abc123.tmp").write_bytes(whole[:100])
+    (path.parent / ".v00000000-p000of001.bin.abc123.tmp").write_bytes(whole[:100])
     with pytest.raises(ExchangeError, match=r"no weight version θ_0 in .*exchange within "
                        r"online.worker_timeout_s=3 s.*--role trainer"):
         run_worker(_config(tmp_path), 0, progress=False)
@@ -132,10 +135,32 @@ def _refusals(tmp_path: Path) -> None:
     with pytest.raises(ExchangeError, match=r"r00000000.bin: round 0 was sampled with θ_1, "
                        r"outside the bound: online.staleness=1 samples it with θ_0.*delete it"):
         run_trainer(_config(tmp_path), progress=False)
-    # 8. a torn shard: refused, not read
+    # 8. a shard another run wrote (its run id differs): refused, naming both runs
+    write_blob(shard, {**header, "run": "0123456789abcdef"}, payload)
+    with pytest.raises(ExchangeError, match=r"r00000000.bin: this record shard was written by "
+                       r"the run with id 0123456789abcdef, not this run 'experiment' \(id "
+                       r"[0-9a-f]{16}, run_dir .*run\): another run shared this "
+                       r"online.exchange"):
+        run_trainer(_config(tmp_path), progress=False)
+    # 9. a torn shard: refused, not read
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(ExchangeError, match=r"half-written record shard of round 0"):
         run_trainer(_config(tmp_path), progress=False)
+    # 10. issue 55 item 3: a new run (its own run_dir) with another learning rate on the same
+    # exchange is refused before it trains, naming both runs and the key; it never takes the
+    # other run's weights or shards because their version numbers match
+    other = _config(tmp_path)
+    other.run_dir = str(tmp_path / "run-lr")
+    other.optim.learning_rate *= 2
+    lr = _config(tmp_path).optim.learning_rate
+    with pytest.raises(ExchangeError, match=(
+            r"this trainer's training settings differ from what the trainer publishes in .*"
+            rf"manifest.json \(run.optim.learning_rate: trainer {2 * lr!r}, the exchange "
+            rf"{lr!r}\): this trainer is run 'experiment' \(id [0-9a-f]{{16}}, run_dir "
+            r".*run-lr\), the exchange holds run 'experiment' \(id [0-9a-f]{16}, run_dir "
+            r".*run\)")):
+        run_trainer(other, progress=False)
+    assert not list((tmp_path / "run-lr/checkpoints").glob("*"))  # nothing trained
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -29,7 +29,7 @@ def _exists(relative: str) -> Callable[[Path], bool]:
 
 POINTS = {  # (side killed, what has happened, its trigger)
     "trainer-v1": ("trainer", "once θ_1 is published (mid-round 3, before its checkpoint)",
-                   _exists("exchange/weights/v00000001.bin")),
+                   _exists("exchange/weights/v00000001-p000of001.bin")),
     "trainer-ckpt4": ("trainer", "after round 4's checkpoint",
                       _exists("run/checkpoints/4/_CHECKPOINT_METADATA")),
     "worker-r1": ("worker", "once its round-1 shard is written",
@@ -98,7 +98,7 @@ def test_sigkill_of_the_free_running_trainer_keeps_the_bound_and_the_accounting(
     worker = start(args["worker"], tmp_path, env, "worker.log")
     failures = 0
     try:
-        kill_and_rerun(args["trainer"], when(_exists("exchange/weights/v00000002.bin"),
+        kill_and_rerun(args["trainer"], when(_exists("exchange/weights/v00000002-p000of001.bin"),
                                              "once θ_2 is published"), tmp_path, env)
         finish(worker, tmp_path, "worker.log")
         rows = metric_rows(tmp_path / "run")

@@ -1,7 +1,8 @@
 """The storage pipeline's trainer as a two-process `jax.distributed` job (two local processes
 × 4 fake CPU devices, one global data 4 × fsdp 2 mesh) beside one rollout worker process:
-every trainer process gathers the weights it publishes, process 0 alone writes (versions,
-progress, metrics, checkpoint meta), and the run matches the single-process serial loop on
+each trainer process writes its own part of every weight version (the shards its devices
+hold: no process gathers the model; tests/online/test_weight_parts.py checks the parts),
+process 0 alone writes progress, metrics and checkpoint meta, and the run matches the single-process serial loop on
 the same mesh as `jaxrl-llm online`'s multi-host serial loop does (tests/online/
 test_online_multiprocess.py): the same rewards and pass@k per round, losses and parameters
 within float32 reduction-order noise."""

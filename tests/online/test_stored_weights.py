@@ -7,8 +7,6 @@ the livelock the free-running SIGKILL test (tests/online/test_online_exchange_ki
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import jax
 import numpy as np
 from flax import nnx
@@ -16,21 +14,28 @@ from flax import nnx
 from jaxrl_llm.online.exchange import Exchange
 from jaxrl_llm.online.remote import StoredWeights
 from jaxrl_llm.parallel.mesh import AxisSizes, make_mesh
+from jaxrl_llm.parallel.rules import state_shardings
+
+MANIFEST = {"model": "m", "run_id": "r1", "about": {"name": "t", "run_dir": "run"}}
 
 
 def _worker(ex: Exchange) -> StoredWeights:
     params = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Param)
-    policy = SimpleNamespace(state=SimpleNamespace(params=params, model_state=nnx.State({})),
-                             mesh=make_mesh(AxisSizes(), jax.devices()[:1]))
-    weights = StoredWeights(ex, SimpleNamespace(policy=policy), {"model": "m"})
+    template = (params, nnx.State({}))
+    mesh = make_mesh(AxisSizes(), jax.devices()[:1])
+    weights = StoredWeights(ex, template, state_shardings(template, mesh), MANIFEST, None)
     weights.free = True
     return weights
 
 
 def _publish(ex: Exchange, version: int, scale: float, incarnation: str) -> None:
+    """θ_version as one trainer process's part (weight_parts.local_part's format)."""
     kernel = np.full((2, 3), scale, np.float32)
-    named = [("[0]['bias'].value", np.zeros(3, np.float32)), ("[0]['kernel'].value", kernel)]
-    ex.publish(version, named, {"model": "m", "incarnation": incarnation})
+    leaves = [["[0]['bias'].value", "float32", [3], [[[0, 3]]]],
+              ["[0]['kernel'].value", "float32", [2, 3], [[[0, 2], [0, 3]]]]]
+    ex.publish_part(version, 0, 1, leaves, np.zeros(3, np.float32).tobytes()
+                    + kernel.tobytes(), {"model": "m", "run": "r1",
+                                         "incarnation": incarnation})
 
 
 def test_a_restarted_trainer_s_version_is_reloaded_or_restamped(tmp_path):
@@ -67,7 +72,7 @@ def test_a_version_deleted_while_a_free_worker_reads_it_gives_the_newest(tmp_pat
 
     def deleting_load(version: int):
         if version == 1:  # the trainer's garbage collection, between check and read
-            ex.weights_path(1).unlink()
+            ex.part_path(1, 0, 1).unlink()
         return real_load(version)
 
     ex.load = deleting_load  # type: ignore[method-assign]
