@@ -1,4 +1,5 @@
-"""A tiny online config (random 1-layer model, arithmetic prompts) and readers of a run."""
+"""A tiny online config (random 1-layer model, arithmetic prompts), a task that model solves
+now and then (`solvable`), and readers of a run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jaxrl_llm.tasks import Problem, RewardResult, Task
+from jaxrl_llm.tasks.base import binary_reward
 
 TINY = {
     "run_dir": "run", "seed": 3,
@@ -32,6 +36,45 @@ def tiny(run_dir: Path | str, **sections: dict[str, Any]) -> dict[str, Any]:
     for name, values in sections.items():
         tree.setdefault(name, {}).update(values)
     return tree
+
+
+class ParityTask(Task):
+    """A task the random tiny model solves now and then, so the positive-reward path runs:
+    "is N even or odd? answer with a digit of the same parity". The answer is the
+    completion's first digit (none: invalid); it is right when its parity is N's. The char
+    tokenizer has 10 digits among the model's 128 ids, so a random policy writes a digit in
+    its 8 tokens about half the time and the right parity about a quarter of the time:
+    groups mix right and wrong samples, and pass@k, rewards > 0 and the group transforms see
+    non-constant rewards (the arithmetic task's answers are out of a random model's reach)."""
+
+    name = "parity"
+    reward_fn = "correct: the completion's first digit has the parity of N"
+
+    def load(self, *, split: str = "train", num: int | None = None, seed: int = 0
+             ) -> list[Problem]:
+        rng = np.random.default_rng([seed, {"train": 0, "test": 1}.get(split, 2)])
+        values = rng.integers(10, 100, size=num or 64)
+        return [Problem(id=f"parity-{split}-{seed}-{i}", question=f"Is {v} even or odd?",
+                        answer=str(v % 2), solution=f"{v % 2}")
+                for i, v in enumerate(values)]
+
+    def prompt(self, problem: Problem) -> str:
+        return f"{problem.question} Answer with a digit of the same parity:\n"
+
+    def score(self, problem: Problem, completion: str) -> RewardResult:
+        digit = next((c for c in completion if c.isdigit()), None)
+        if digit is None:
+            return RewardResult(binary_reward(False, self.reward_scheme), False, True, None)
+        correct = int(digit) % 2 == int(problem.answer)
+        return RewardResult(binary_reward(correct, self.reward_scheme), correct, False, digit)
+
+
+SOLVABLE = "tests.online.helpers:ParityTask"  # data.task: the import path of `ParityTask`
+
+
+def solvable(run_dir: Path | str, **sections: dict[str, Any]) -> dict[str, Any]:
+    """`tiny`, on `ParityTask`: some samples succeed."""
+    return tiny(run_dir, **{**sections, "data": {"task": SOLVABLE, **sections.get("data", {})}})
 
 
 def write_yaml(path: Path, tree: dict[str, Any]) -> Path:
