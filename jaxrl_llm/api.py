@@ -29,6 +29,7 @@ from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.curation import apply_transform
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.eval.during_training import eval_task
 from jaxrl_llm.eval.evaluate import evaluate_model
 from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
 from jaxrl_llm.losses.logprobs import token_logprobs
@@ -286,12 +287,15 @@ class Policy:
     def evaluate(self, *, num_questions: int | None = None, n: int | None = None,
                  seed: int | None = None) -> dict[str, Any]:
         """pass@k, pass@1 ± SE, maj@K, invalid rate of the current weights on the `eval:`
-        section's questions (`eval.evaluate.evaluate_model`)."""
+        section's questions (`eval.evaluate.evaluate_model`): `eval.split` of the task read
+        from `eval.task_path` (else `data.task_path`), the questions `jaxrl-llm evaluate`
+        and `train.eval_every` grade (`eval.during_training.eval_task`), not `self.task`'s."""
         e, g = self.config.eval, self.config.generate
-        problems = self.task.load(split=e.split, num=num_questions or e.num_questions,
-                                  seed=self.config.seed)
+        task = eval_task(self.config)
+        problems = task.load(split=e.split, num=num_questions or e.num_questions,
+                             seed=self.config.seed)
         summary, _ = evaluate_model(
-            self.model, self.tokenizer, self.task, problems, n=n or e.n,
+            self.model, self.tokenizer, task, problems, n=n or e.n,
             temperature=g.temperature if e.temperature is None else e.temperature,
             max_new_tokens=e.max_new_tokens or g.max_new_tokens,
             batch_size=e.batch_size or g.batch_size, seed=e.seed if seed is None else seed,

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         from jaxrl_llm.eval.during_training import make_eval_hook
         from jaxrl_llm.policy.opener import open_tokenizer
 
-        evaluate = make_eval_hook(config, open_tokenizer(config))
+        evaluate = make_eval_hook(config, open_tokenizer(config), progress=not args.no_progress)
 
         def hook(updates: int, policy: Any) -> Any:
             return evaluate(updates, policy.state)

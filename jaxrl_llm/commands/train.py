@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
         from jaxrl_llm.eval.during_training import make_eval_hook
         from jaxrl_llm.policy.opener import open_tokenizer
 
-        hook = make_eval_hook(config, open_tokenizer(config))
+        # the evaluation's own bar under the trainer's (none with --no-progress)
+        hook = make_eval_hook(config, open_tokenizer(config), progress=not args.no_progress)
     # refuse_no_signal: records that give the loss nothing to learn stop the command
     # (exit 2) unless train.allow_no_signal (data/signal.py).
     trainer = Trainer(config, records=args.records, progress=not args.no_progress,

@@ -27,8 +27,10 @@ def eval_task(config: Any) -> Any:
     return task_from_config(config.model_copy(update={"data": data}))
 
 
-def make_eval_hook(config: Any, tokenizer: Any) -> Callable[[int, Any], Mapping[str, float]]:
-    """`(step, train state) -> metrics`: the evaluation above of the state's policy."""
+def make_eval_hook(config: Any, tokenizer: Any, *, progress: bool = False
+                   ) -> Callable[[int, Any], Mapping[str, float]]:
+    """`(step, train state) -> metrics`: the evaluation above of the state's policy; with
+    `progress`, its own bar ("evaluate TASK at step N", as `jaxrl-llm evaluate` shows)."""
     e, g = config.eval, config.generate
     task = eval_task(config)
     problems = task.load(split=e.split, num=e.num_questions, seed=config.seed)
@@ -42,8 +44,9 @@ def make_eval_hook(config: Any, tokenizer: Any) -> Callable[[int, Any], Mapping[
             temperature=g.temperature if e.temperature is None else e.temperature,
             max_new_tokens=e.max_new_tokens or g.max_new_tokens,
             batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=(1,), trials=2,
-            chat_template=config.data.chat_template, progress=False,
-            sampler=config.generate.sampler_options())
+            chat_template=config.data.chat_template, progress=progress,
+            sampler=config.generate.sampler_options(),
+            desc=" ".join(filter(None, ("evaluate", getattr(task, "name", ""), f"at step {step}"))))
         top = max(summary["pass_at_k"], key=int)
         return {"pass_at_1": summary["pass_at_1"]["mean"], "pass_at_1_se": summary["pass_at_1"]["se"],
                 f"pass_at_{top}": summary["pass_at_k"][top],

@@ -56,10 +56,11 @@ def sample_and_grade(
     model: Any, tokenizer: Any, task: Any, problems: Sequence[Any], *, n: int,
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     chat_template: bool | None = False, progress: bool = True,
-    sampler: Mapping[str, Any] | None = None,
+    sampler: Mapping[str, Any] | None = None, desc: str | None = None,
 ) -> Graded:
     """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
-    counts the questions and shows the decode step within a batch (`jaxrl_llm/core/progress.py`);
+    (named `desc`, default "evaluate TASK") counts the questions and shows the decode step
+    within a batch (`jaxrl_llm/core/progress.py`);
     `sampler`: `build_sampler`'s batching keywords (`GenerateConfig.sampler_options`);
     Ctrl-C or SIGTERM stops after the current decode segment, before anything is written."""
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -70,7 +71,8 @@ def sample_and_grade(
     sampler = build_sampler(model, tokenizer, prompt_ids, batch_size=batch_size, n=n,
                             max_new_tokens=max_new_tokens, key="eval.batch_size",
                             segment_s=SEGMENT_S, **(sampler or {}))
-    bar = progress_bar(len(problems), desc=f"evaluate {getattr(task, 'name', '')}".strip(),
+    desc = desc or f"evaluate {getattr(task, 'name', '')}".strip()
+    bar = progress_bar(len(problems), desc=desc,
                        unit="question", enabled=progress and jax.process_index() == 0)
     with stop_point("the current decode segment", grace_s=STOP_GRACE_S) as stop:
         status = SamplingProgress(bar, stop, "evaluate", f"no {EVAL_FILE} was written",
@@ -136,14 +138,16 @@ def evaluate_model(
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     maj_k: Sequence[int] = (1, 4), trials: int = 100,
     verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool | None = False,
-    progress: bool = True, sampler: Mapping[str, Any] | None = None,
+    progress: bool = True, sampler: Mapping[str, Any] | None = None, desc: str | None = None,
 ) -> tuple[dict[str, Any], Graded]:
     """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
     (= (model, tokenizer)) also weighted self-consistency (TOPR §4.4). `sampler`: the
-    sampler's batching keywords (`GenerateConfig.sampler_options`)."""
+    sampler's batching keywords (`GenerateConfig.sampler_options`); `progress`, `desc`: the
+    questions' bar (`sample_and_grade`)."""
     graded = sample_and_grade(model, tokenizer, task, problems, n=n, temperature=temperature,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                              chat_template=chat_template, progress=progress, sampler=sampler)
+                              chat_template=chat_template, progress=progress, sampler=sampler,
+                              desc=desc)
     verdicts = None
     if verifier is not None:
         verdicts = verify_samples(verifier[0], verifier[1], problems, graded,

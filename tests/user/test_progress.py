@@ -2,7 +2,8 @@
 a tqdm bar on a terminal, whole lines in a log (one per update here: JAXRL_PROGRESS_INTERVAL_S=0;
 by default at most one every 10 s). `generate` and `evaluate` move as prompts get all their
 samples (the bar used to count chunks of four batches and sat at 0 %), and in between their
-line shows the decode step of the longest sample running."""
+line shows the decode step of the longest sample running; `train.eval_every`'s evaluations
+show the same count of their own."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.user.cli import jaxrl, user_env
 CONFIG = ("run_dir: run\nmesh: {data: 1}\nloss: {name: topr}\n"
           # a random model's records hold no positive: train anyway (data/signal.py)
           "train: {steps: 2, batch_size: 8, max_seq_len: 160, checkpoint_every: 2, "
-          "allow_no_signal: true}\n"
+          "allow_no_signal: true, eval_every: 2}\n"
           "generate: {n: 2, max_new_tokens: 8, batch_size: 4, output: recs}\n"
           "data: {num_prompts: 12, records: recs}\neval: {n: 2, num_questions: 8, batch_size: 4}\n")
 
@@ -63,6 +64,11 @@ def test_every_stage_prints_progress_lines_in_a_log(tmp_path: Path) -> None:
             runs[stage].stderr[-2000:]
     assert _lines(runs["score"].stderr, "score")[-1] == (24, 24)
     assert _lines(runs["train"].stderr, "train")[-1] == (2, 2)
+    # train.eval_every: each evaluation (before, at step 2) counts its own questions, as
+    # `evaluate` does (issue 55 item 15: the line sat at "evaluating step 0")
+    for at in (0, 2):
+        seen = _counts(runs["train"].stderr, f"evaluate arithmetic at step {at}")
+        assert seen[0] == (0, 8) and seen[-1] == (8, 8), (at, seen)
     exported = _lines(runs["export"].stderr, "export")
     assert exported[-1][0] == exported[-1][1] > 10  # every tensor of the model
 
