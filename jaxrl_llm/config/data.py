@@ -33,7 +33,8 @@ class DataConfig(Section):
     tokenizer: str | None = Field(None, description="tokenizer dir, or 'char' (default for random models)")
     chat_template: bool | None = Field(
         None, description="present each prompt as a user turn of the tokenizer's chat template "
-        "(instruct models); unset: when the tokenizer has a chat template (said on stderr)")
+        "(instruct models); unset: when the tokenizer has a chat template (said once on stderr "
+        "where prompts go through it)")
     system_prompt: str | None = Field(
         None, description="a system message before every prompt (the chat template's system "
         "turn; without a template, the prompt's first paragraph)")

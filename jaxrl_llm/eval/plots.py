@@ -16,6 +16,7 @@ from etils import epath
 
 matplotlib.use("Agg")  # headless: no display on training hosts
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from jaxrl_llm.core.atomic import atomic_write_bytes
 from jaxrl_llm.core.paths import PathLike, as_path
@@ -93,6 +94,17 @@ def _label(key: str, phase: str) -> str:
     return key
 
 
+# The online loop's rows (every placement, `online/`) carry this column; their `step` is the
+# round, not the optimizer step.
+ROUND_COLUMN = re.compile(r"(^|/)round_updates$")
+
+
+def step_unit(rows: Sequence[Mapping[str, object]]) -> str:
+    """What `step` counts in these rows: "online round" or "optimizer step"."""
+    online = any(ROUND_COLUMN.search(key) for row in rows for key in row)
+    return "online round" if online else "optimizer step"
+
+
 def series_plot(
     rows: Sequence[Mapping[str, object]],
     patterns: Sequence[str],
@@ -102,8 +114,22 @@ def series_plot(
     ylabel: str,
     se_suffix: str = "_se",
 ) -> epath.Path | None:
-    """Each metric matching `patterns` against `step`, one panel per phase (SFT, RL) when a
-    run has both; `<key>_se` columns draw 2-SE bands."""
+    """`series_figure`'s figure as a PNG at `path`; None when nothing matches."""
+    fig = series_figure(rows, patterns, title=title, ylabel=ylabel, se_suffix=se_suffix)
+    return None if fig is None else _save(fig, path)
+
+
+def series_figure(
+    rows: Sequence[Mapping[str, object]],
+    patterns: Sequence[str],
+    *,
+    title: str,
+    ylabel: str,
+    se_suffix: str = "_se",
+) -> plt.Figure | None:
+    """Each metric matching `patterns` against `step` (optimizer steps, or an online run's
+    rounds: `step_unit`; integer ticks), one panel per phase (SFT, RL) when a run has both;
+    `<key>_se` columns draw 2-SE bands."""
     panels = series_panels(rows, patterns, se_suffix)
     if not panels:
         return None
@@ -121,14 +147,16 @@ def series_plot(
                 hi = [v + 2 * se for _, v, se in points]  # type: ignore[operator]
                 ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
         phase_name = PHASE_TITLES.get(phase)
-        ax.set_xlabel(f"{phase_name} optimizer step" if phase_name else "optimizer step")
+        unit = step_unit([r for r in rows if str(r.get("phase", "")) == phase])
+        ax.set_xlabel(f"{phase_name} {unit}" if phase_name else unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and rounds are counts
         if len(panels) > 1:
             ax.set_title(phase_name or phase, fontsize="medium")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title)
-    return _save(fig, path)
+    return fig
 
 
 def pass_at_k_plot(evals: Mapping[str, Mapping[str, object]], path: epath.Path) -> epath.Path | None:

@@ -33,22 +33,21 @@ class Completion:
     finish_reason: str = ""
 
 
-_SAID: set[str] = set()  # tokenizers whose automatic chat_template choice was printed
+TEMPLATE_NOTICE = ("data.chat_template is unset: the tokenizer has a chat template, so prompts "
+                   "go through it (set data.chat_template=false for raw text)")
+_SAID: list[bool] = []  # the notice was printed (once a process)
 
 
 def uses_chat_template(tokenizer: Any, chat_template: bool | None) -> bool:
     """`data.chat_template`, with None (the default) meaning: the tokenizer's own chat
-    template when it has one (instruct models expect it; said once on stderr)."""
+    template when it has one (instruct models expect it). Applying it unasked is said on
+    stderr, once a process; raw text (no template to apply) goes unsaid."""
     if chat_template is not None:
         return chat_template
     found = bool(getattr(tokenizer, "chat_template", None))
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    if name not in _SAID:
-        _SAID.add(name)
-        print("data.chat_template is unset: " + (
-            "the tokenizer has a chat template, so prompts go through it (set "
-            "data.chat_template=false for raw text)" if found else
-            "the tokenizer has no chat template, so prompts are raw text"), file=sys.stderr)
+    if found and not _SAID:
+        _SAID.append(True)
+        print(TEMPLATE_NOTICE, file=sys.stderr)
     return found
 
 

@@ -128,7 +128,8 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
                               "pipeline/waiting": float(sum(len(b) for _, b in pending))})
             last = logger.log(run.round, metrics)
             syncs = []
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", dropped=counts["dropped_total"])
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", dropped=counts["dropped_total"],
+                            refresh=False)  # no second line for this count (a log)
             saved = checkpointer.should_save(run.round) or run.round == o.rounds
             if saved:
                 opened.save([b for _, b in pending], mode="free",

@@ -471,7 +471,8 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
                               "pipeline/round_s": time.perf_counter() - t_round})
             last = logger.log(run.round, metrics)
             syncs.clear()
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round,
+                            refresh=False)  # no second line for this count (a log)
             saved = checkpointer.should_save(run.round) or run.round == last_round
             if saved:
                 opened.save(list(pending))

@@ -48,8 +48,11 @@ def atomic_save(model: Any, out_dir: PathLike, *, tokenizer: Any = None,
     return target
 
 
-def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None) -> None:
-    bar = progress_bar(None, desc=f"export {out.name}", unit="tensor")
+def _save_local(model: Any, out: Path, *, tokenizer: Any, dtype: str | None,
+                shown: str | None = None) -> None:
+    """`out` written; the bar names `shown` (default `out`'s folder name) as the target:
+    "export to hf/: 3/20 tensors" (a folder named `export` reads "export to export/")."""
+    bar = progress_bar(None, desc=f"export to {shown or out.name + '/'}", unit="tensor")
 
     def on_tensor(done: int, total: int) -> None:
         bar.total = total
@@ -84,7 +87,7 @@ def _save_remote(model: Any, out: epath.Path, *, tokenizer: Any,
     """Export into a local temporary directory, then copy every file under `out`."""
     with tempfile.TemporaryDirectory(prefix="jaxrl-export-") as local:
         staged = Path(local) / "export"
-        _save_local(model, staged, tokenizer=tokenizer, dtype=dtype)
+        _save_local(model, staged, tokenizer=tokenizer, dtype=dtype, shown=str(out))
         if out.exists():
             out.rmtree()
         return copy_tree(staged, out)

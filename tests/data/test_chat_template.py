@@ -46,3 +46,24 @@ def test_a_tokenizer_without_a_template_is_a_config_error():
     tok = build_char_tokenizer("0123456789 ", ("<pad>", "<bos>", "<eos>", "<unk>"))
     with pytest.raises(ConfigError, match="data.chat_template"):
         format_prompts(tok, [PROMPT], chat_template=True)
+
+
+def test_the_notice_is_said_once_and_only_where_a_template_is_applied_unasked(capsys,
+                                                                             monkeypatch):
+    # Issue 55 item 16: it was printed wherever prompts were formatted, templates or not.
+    from jaxrl_llm.generate import completions
+
+    monkeypatch.setattr(completions, "_SAID", [])  # this process has said nothing yet
+    plain = build_char_tokenizer("0123456789 ", ("<pad>", "<bos>", "<eos>", "<unk>"))
+    encode_prompts(plain, format_prompts(plain, ["1 2"], chat_template=None), chat_template=None)
+    assert capsys.readouterr().err == ""  # raw text: nothing to say
+    chat = build_char_tokenizer("0123456789 ", ("<pad>", "<bos>", "<eos>", "<unk>"),
+                                chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    for forced in (True, False):
+        format_prompts(chat, ["1 2"], chat_template=forced)
+    assert capsys.readouterr().err == ""  # set explicitly: the user chose
+    for _ in range(2):  # every round of a run, the eval hook, ...: once a process
+        encode_prompts(chat, format_prompts(chat, ["1 2"], chat_template=None), chat_template=None)
+    err = capsys.readouterr().err
+    assert err.count("data.chat_template is unset") == 1, err
+    assert "has a chat template, so prompts go through it" in err

@@ -110,3 +110,31 @@ def test_sft_and_rl_steps_get_separate_panels_and_empty_series_no_legend_entry(t
     assert not (run / "report" / "clipped_fractions.png").exists()
     md = (run / "report" / "report.md").read_text()
     assert "- Clipped fractions: no data in this run" in md
+
+
+def test_online_rows_are_plotted_against_rounds_with_integer_ticks(tmp_path):
+    """Issue 55 item 16: an online run's `step` is its round (its rows carry `round_updates`):
+    the x axis says so, and three rounds get whole-number ticks, not 1.25, 1.5, ...; a trainer's
+    rows stay optimizer steps."""
+    from jaxrl_llm.eval.plots import series_figure
+    from jaxrl_llm.eval.report import SERIES, collect_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    online = [{"step": r, "updates": 2 * r, "round_updates": 2, "pipeline/lag_mean": 0.5 * r,
+               "pipeline/lag_max": 1.0 * r, "loss": 1.0 / r} for r in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in online))
+    rows, _ = collect_run(run)
+    patterns = {stem: p for stem, _, _, p in SERIES}
+    trained = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    for data, stem, unit in ((rows, "pipeline_lag", "online round"), (rows, "loss", "online round"),
+                             (trained, "loss", "optimizer step")):
+        fig = series_figure(data, patterns[stem], title=stem, ylabel="y")
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ax.get_xlabel() == unit, stem
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert cli_main(["report", str(run)]) == 0
+    assert (run / "report" / "pipeline_lag.png").is_file()

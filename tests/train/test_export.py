@@ -4,6 +4,7 @@ and that gives our logits; writes are atomic."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -88,3 +89,17 @@ def test_export_is_atomic_and_refuses_to_clobber(trained_run):
     assert leftovers == []
     with pytest.raises(FileNotFoundError, match="is not a checkpoint"):
         restore_model(root / "recs")
+
+
+def test_a_folder_named_export_reads_once_in_the_progress_line(trained_run, capsys):
+    # Issue 55 item 16: the bar named the folder after the verb ("export export: 20/20").
+    root, _ = trained_run
+    assert cli_main(["export", "--checkpoint", str(root / "run"), "--out",
+                     str(root / "export")]) == 0
+    err = capsys.readouterr().err
+    # the tensors the file holds, from its safetensors header (8-byte length, then JSON)
+    data = (root / "export" / "model.safetensors").read_bytes()
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    tensors = len([k for k in header if k != "__metadata__"])
+    assert "export export" not in err, err
+    assert re.search(rf"^export to export/: {tensors}/{tensors} tensors", err, re.M), err
