@@ -11,6 +11,7 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,10 +24,10 @@ from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.free import run_free
 from jaxrl_llm.online.lag import weights_version
 from jaxrl_llm.online.loop import run_online
-from jaxrl_llm.online.pipeline import run_pipeline
+from jaxrl_llm.online.pipeline import open_run, run_pipeline
 from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.parallel.mesh import make_mesh
-from tests.online.helpers import ROOT, final_arrays, metric_rows, tiny, write_yaml
+from tests.online.helpers import ROOT, final_arrays, metric_rows, solvable, tiny, write_yaml
 
 SERIES_TITLES = {stem: title for stem, title, _, _ in SERIES}
 TIMING = ("time", "seconds_sampling", "seconds_scoring", "seconds_training")
@@ -184,6 +185,32 @@ def test_split_placement_without_overlap_is_the_reference(tmp_path: Path) -> Non
     assert [r["round_updates"] for r in rows] == [0, 1, 2, 1]
 
 
+def test_pipeline_equals_pipeline_off_on_the_same_placements_bit_for_bit(tmp_path: Path) -> None:
+    """docs/online.md's headline claim in the default suite (the slow tests above run it at
+    more sizes): the sampler running ahead on 4 devices, the trainer on the other 4, ends in
+    the state and the rows of `pipeline: off` on the same placements, bit for bit. On a task
+    the random model solves now and then, with RLOO: positive rewards and mixed groups reach
+    the transform, so every update has a gradient to get wrong."""
+    _needs_eight()
+    online = {"rounds": 2, "staleness": 1, "sampler_devices": 4}
+    runs = {}
+    for name, pipeline in (("off", "off"), ("pipe", "deterministic")):
+        cfg = config_from_dict(solvable(tmp_path / name, online={**online, "pipeline": pipeline},
+                                        data={"group_transform": "rloo"}), schema=OnlineConfig)
+        result = run_pipeline(cfg, progress=False)
+        assert result.updates == 2 and result.rounds == 3
+        runs[name] = (metric_rows(tmp_path / name), _state(tmp_path / name)[1])
+    (off_rows, off), (rows, pipe) = runs["off"], runs["pipe"]
+    assert off.keys() == pipe.keys() and any("opt_state" in k for k in off)
+    assert not [k for k in off if not np.array_equal(off[k], pipe[k])]
+    assert _comparable(off_rows) == _comparable(rows)
+    # round r samples with θ_max(0, r−1): the sampler ran a round ahead of the trainer
+    assert [r["pipeline/version"] for r in rows] == [0.0, 0.0, 1.0]
+    assert [r["round_updates"] for r in rows] == [0, 1, 1]
+    assert all(r["grad_norm"] > 0 for r in rows[1:])  # both updates moved the weights
+    assert any(r["reward_mean"] > -1 for r in rows)  # ±1 rewards: some sample was right
+
+
 @pytest.mark.parametrize(("online", "mesh", "message"), [
     ({"pipeline": "deterministic", "staleness": 0, "sampler_devices": 2},
      None, "staleness >= 1 .*nothing can overlap"),
@@ -274,7 +301,9 @@ def test_in_flight_weights_from_the_cli_keep_the_bound_for_every_token(tmp_path:
     free-running, the sampler on 4 of 8 devices taking newer weights between decode segments.
     Which token meets which weights is timing, so what must hold in every run: every trained
     token's lag (from its record's weight_versions) is within max_staleness, never negative,
-    and the sample accounting closes. That a swap logs each token's own policy is
+    a record spanning two versions was counted as a swap, and the sample accounting closes.
+    A swap that must happen is test_weights_published_as_a_free_round_starts_are_swapped_in's
+    (forced, not timed); that a swap logs each token's own policy is
     tests/models/test_continuous_sampler.py's exact check; the hook's wiring is below."""
     _needs_eight()
     (tmp_path / "cli").mkdir()
@@ -287,14 +316,79 @@ def test_in_flight_weights_from_the_cli_keep_the_bound_for_every_token(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metric_rows(tmp_path / "cli/run")
     assert [r["updates"] for r in rows] == [1, 2, 3, 4, 5]
+    swaps = spanning = 0.0
     for r in rows:
         assert 0 <= r["pipeline/token_lag_min"] <= r["pipeline/token_lag_mean"]
         assert r["pipeline/token_lag_mean"] <= r["pipeline/token_lag_max"] <= 2  # the bound
         assert r["pipeline/token_lag_max"] <= r["pipeline/lag_max"]  # oldest token = batch's
-        assert r["pipeline/inflight_swaps"] >= 0 and r["pipeline/inflight_swap_s"] >= 0
+        # a count of swaps in the rounds received; a trained record that spans two versions
+        # comes from a round received by now, whose swap the count has seen
+        swaps += r["pipeline/inflight_swaps"]
+        spanning += r["pipeline/inflight_records"]
+        assert r["pipeline/inflight_swaps"] == int(r["pipeline/inflight_swaps"])
+        assert swaps >= min(spanning, 1.0), (swaps, spanning)
         assert r["pipeline/received_total"] == (r["pipeline/trained_total"]
                                                 + r["pipeline/dropped_total"]
                                                 + r["pipeline/waiting"])
+
+
+def test_weights_published_as_a_free_round_starts_are_swapped_in(tmp_path: Path) -> None:
+    """The in-flight swap, forced rather than timed: the free-running sampler side takes θ0
+    for round 1, the trainer then trains an update and publishes θ1 before the round decodes
+    (from the task's `prompt`, which the rollout calls between the two), and the weights hook
+    swaps θ1 in at the first segment: one swap counted, every token θ1's, the round's tokens
+    those of the same round sampled with θ1 from its start. (A whole free run cannot force
+    this: which round meets which publish is timing.)"""
+    _needs_eight()
+    tree = solvable(tmp_path / "run", online={"pipeline": "free", "max_staleness": 2,
+                                              "sampler_devices": 4, "inflight_weights": True,
+                                              "mu_source": "sampler"})
+    opened = open_run(config_from_dict(tree, schema=OnlineConfig))
+    side, run = opened.side, opened.run
+    side.free = True  # as run_free sets it: each round starts on the newest weights
+    try:
+        opened.publish()  # θ0
+        first = side.sample(0, 0)
+        assert first.version == 0 and first.seconds["inflight_swaps"] == 0.0
+        assert _runs(first) == ((0, 0),)  # nothing newer was published: θ0 throughout
+
+        task, prompt = side.policy.task, side.policy.task.prompt
+        calls: list[Any] = []
+
+        def prompt_after_an_update(problem: Any) -> str:
+            if not calls:  # the trainer's turn (free_rounds: step, count, publish)
+                opened.policy.step(first.batches[0])
+                run.updates += 1
+                opened.publish()
+            calls.append(problem)
+            return prompt(problem)
+
+        task.prompt = prompt_after_an_update
+        swapped = side.sample(1, first.position)
+        task.prompt = prompt
+        assert calls  # the hook ran inside the round
+        assert swapped.version == 0  # the round began on θ0 …
+        assert swapped.seconds["inflight_swaps"] == 1.0  # … and swapped once, to θ1
+        assert _runs(swapped) == ((1, 0),)  # before its prefill: every token θ1's
+        fresh = side.sample(1, first.position)  # the same round on θ1 from its start
+        assert fresh.version == 1 and fresh.seconds["inflight_swaps"] == 0.0
+        for a, b in zip(_records(swapped), _records(fresh), strict=True):
+            np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+            np.testing.assert_array_equal(a.raw_logprobs, b.raw_logprobs)
+    finally:
+        opened.weights.close()
+        opened.checkpointer.close()
+
+
+def _records(done: Any) -> list[Any]:
+    return [r for batch in done.batches for r in batch]
+
+
+def _runs(done: Any) -> tuple[tuple[int, int], ...]:
+    """The one `weight_versions` every record of the round has (it fails when they differ)."""
+    runs = {tuple(map(tuple, r.metadata["weight_versions"])) for r in _records(done)}
+    assert len(runs) == 1, runs
+    return runs.pop()
 
 
 @pytest.mark.parametrize(("online", "generate", "message"), [
