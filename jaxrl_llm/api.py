@@ -123,7 +123,11 @@ def transform_rewards(records: Sequence[Record], kind: str, *, k: int | None = N
 
 class Policy:
     """A policy and its optimizer on a mesh (module docstring). Attributes: `config`,
-    `state` (the `TrainState`), `tokenizer`, `mesh`, `task` (the config's `data.task`)."""
+    `state` (the `TrainState`), `tokenizer`, `mesh`, `task` (the config's `data.task`),
+    `sampler_batch` (None: each `sample` call picks its prompt batch from `generate.batch_size`
+    and the memory left; an int: that batch always, so the compiled shapes, and with them a
+    log-prob's last bits, never depend on the memory free at the time: the online loop fixes
+    it once per run, `online.sampler_shape`)."""
 
     def __init__(self, config: ExperimentConfig, state: Any, tokenizer: Any, mesh: Any,
                  *, info: Mapping[str, Any] | None = None) -> None:
@@ -135,6 +139,7 @@ class Policy:
         self.task = task_from_config(config)
         self._said: set[str] = set()  # memory notes already printed (one per figure)
         self._score_fns: dict[float, Any] = {}
+        self.sampler_batch: int | None = None
 
     # -- the model ------------------------------------------------------------------------
     @property
@@ -148,7 +153,7 @@ class Policy:
         return int(np.asarray(self.state.step))
 
     # -- sampling -------------------------------------------------------------------------
-    def _say_once(self, text: str) -> None:
+    def say_once(self, text: str) -> None:
         """Print a sampling memory note once, not at every round of an online run."""
         if text not in self._said:
             self._said.add(text)
@@ -164,11 +169,13 @@ class Policy:
     def sample(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, n: int | None = None,
                temperature: float | None = None, max_new_tokens: int | None = None,
                seed: int = 0, weights: Callable[[], tuple[int, Any] | None] | None = None,
-               version: int = 0) -> Samples:
+               version: int = 0,
+               on_segment: Callable[[int, int], None] | None = None) -> Samples:
         """`n` completions per prompt (texts or token ids) with the KV-cache sampler
         (`sampling/sampler.py`) on the current weights; defaults from `generate:`.
         `weights`/`version`: in-flight weight updates (`ContinuousSampler.generate`); the
-        samples then carry each token's version."""
+        samples then carry each token's version. `on_segment`: called after each decode
+        segment (`Sampler.generate`); an exception it raises abandons the call."""
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
             prompts[0], str) else self.encode(prompts)  # type: ignore[arg-type]
@@ -180,15 +187,18 @@ class Policy:
             stop_token_ids=(eos,) if g.stop_at_eos and eos is not None else ())
         # This update's weights, a prompt batch that fits the memory left for this call's
         # n, lengths and prompts; the compiled programs are shared (module-level jits).
-        sampler = build_sampler(self.model, self.tokenizer, ids, batch_size=g.batch_size,
+        sampler = build_sampler(self.model, self.tokenizer, ids,
+                                batch_size=self.sampler_batch or g.batch_size,
                                 n=params.n, max_new_tokens=params.max_new_tokens,
-                                key="generate.batch_size", say=self._say_once,
+                                key="generate.batch_size", say=self.say_once,
+                                fit_memory=self.sampler_batch is None,
                                 **self.config.generate.sampler_options())
         if weights is not None and not isinstance(sampler, ContinuousSampler):
             raise ConfigError("in-flight weight updates need generate.batching: continuous "
                               f"(it is {self.config.generate.batching})")
         hook = dict(weights=weights, version=version) if weights is not None else {}
-        out = sampler.generate(ids, params, jax.random.key(seed), **hook)
+        out = sampler.generate(ids, params, jax.random.key(seed), on_segment=on_segment,
+                               **hook)
         lengths = [int(x) for x in out.lengths]
         return Samples(
             prompt_index=np.asarray(out.prompt_index),
@@ -204,14 +214,16 @@ class Policy:
     def rollout(self, problems: Sequence[Any], *, n: int | None = None, seed: int = 0,
                 group_offset: int = 0,
                 weights: Callable[[], tuple[int, Any] | None] | None = None,
-                version: int = 0) -> list[Record]:
+                version: int = 0,
+                on_segment: Callable[[int, int], None] | None = None) -> list[Record]:
         """Sample `n` completions per problem of `self.task` and reward them with the task's
         verifier: one `Record` per completion (`group_id = group_offset + problem index`).
         With in-flight `weights` (`sample`), each record's metadata `weight_versions` lists
-        [version, first token] wherever the version changes."""
+        [version, first token] wherever the version changes. `on_segment`: as `sample`'s."""
         texts = [self.task.prompt(p) for p in problems]
         ids = self.encode(texts)
-        s = self.sample(ids, n=n, seed=seed, weights=weights, version=version)
+        s = self.sample(ids, n=n, seed=seed, weights=weights, version=version,
+                        on_segment=on_segment)
         completions = [Completion(prompt_index=int(s.prompt_index[i]), token_ids=s.token_ids[i],
                                   logprobs=s.logprobs[i], raw_logprobs=s.raw_logprobs[i],
                                   finish_reason=s.finish_reason[i])

@@ -5,6 +5,7 @@ Pipeline), local or `gs://`, through `core.atomic` (a file appears whole or not 
                            computes, and their hash, the run id (run_identity.py)
     trainer.json           the trainer's progress: rounds checkpointed and consumed, done
     mu_source.json         μ's source decided on round 0 (online.mu_source: auto)
+    sampler.json           the workers' prompt batch, fixed by the first (sampler_shape.py)
     weights/v00000003-p001of004.bin
                            trainer process 1's part of θ_3 (of 4): the shards of params and
                            model state it holds, in the sampling dtype (weight_parts.py)

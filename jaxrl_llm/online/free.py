@@ -75,10 +75,12 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
     logger = opened.logger()
     bar = progress_bar(total_updates, desc="trainer", unit="update",
                        enabled=progress and jax.process_index() == 0, initial=run.updates)
-    syncs = [opened.publish()]
-    feed = make_feed()
     last: dict[str, Any] = {}
+    feed = None
     try:
+        opened.watch_signals()
+        syncs = [opened.publish()]
+        feed = make_feed()
         while run.round < o.rounds:
             waited = feed.waited
             steps, lags, trained, dropped, busy = [], [], [], 0, 0.0
@@ -130,11 +132,14 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
             syncs = []
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", dropped=counts["dropped_total"],
                             refresh=False)  # no second line for this count (a log)
-            saved = checkpointer.should_save(run.round) or run.round == o.rounds
+            stopped = opened.should_stop(o.rounds)
+            saved = checkpointer.should_save(run.round) or run.round == o.rounds or stopped
             if saved:
                 opened.save([b for _, b in pending], mode="free",
                             versions=[v for v, _ in pending], **counts)
             opened.round_done(saved)
+            if stopped:
+                break
     finally:
         opened.close(feed, bar, logger)
     return opened.result(last)

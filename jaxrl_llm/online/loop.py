@@ -51,6 +51,7 @@ from jaxrl_llm.online.rounds import (
     sampling_seed,
     split_batches,
 )
+from jaxrl_llm.online.sampler_shape import fixed_sampler_batch
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxrl_llm.train.metrics_log import MetricsLogger
 from jaxrl_llm.train.preemption import StopSync
@@ -132,15 +133,28 @@ class _Run:
         self.updates = 0
         self.mu_source: str | None = None
         self.queue = StalenessQueue(staleness)
+        self.sampler_batch: int | None = None  # fixed once per run (online/sampler_shape.py)
 
     def meta(self) -> dict[str, Any]:
         return {"round": self.round, "prompt_position": self.position, "updates": self.updates,
-                "mu_source": self.mu_source, "queue": self.queue.to_json()}
+                "mu_source": self.mu_source, "queue": self.queue.to_json(),
+                "sampler_batch": self.sampler_batch}
 
     def load(self, meta: dict[str, Any]) -> None:
         self.round, self.position = int(meta["round"]), int(meta["prompt_position"])
         self.updates, self.mu_source = int(meta["updates"]), meta["mu_source"]
         self.queue = StalenessQueue.from_json(self.queue.staleness, meta["queue"])
+        batch = meta.get("sampler_batch")  # absent: a checkpoint from before it was recorded
+        self.sampler_batch = None if batch is None else int(batch)
+
+    def fix_sampler_batch(self, config: OnlineConfig, policy: Policy, problems: list[Any],
+                          *, in_flight: int = 0) -> None:
+        """`policy` samples every round with the run's prompt batch: the one recorded in the
+        checkpoint, or decided now (`sampler_shape.fixed_sampler_batch`)."""
+        if self.sampler_batch is None:
+            self.sampler_batch = fixed_sampler_batch(config, policy, problems,
+                                                     in_flight=in_flight)
+        policy.sampler_batch = self.sampler_batch
 
 
 def _restore(policy: Policy, checkpointer: Any, run: _Run) -> None:
@@ -223,6 +237,7 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
                                 params_dtype=config.train.checkpoint_dtype)
     if checkpointer.latest_step() is not None:
         _restore(policy, checkpointer, run)
+    run.fix_sampler_batch(config, policy, problems)
     lead = jax.process_index() == 0
     logger = MetricsLogger(config.run_dir, resume_step=run.round, enabled=lead,
                            wandb=config.metrics, run_name=config.name,

@@ -21,6 +21,7 @@ rounds run in this thread, in turn with the updates (the reference the tests com
 from __future__ import annotations
 
 import queue as queues
+import sys
 import threading
 import time
 from collections import deque
@@ -50,9 +51,11 @@ from jaxrl_llm.online.rounds import (
     sampling_seed,
     split_batches,
 )
+from jaxrl_llm.online.sampler_shape import IN_FLIGHT_VERSIONS
 from jaxrl_llm.sampling.layout import sampling_dtype
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxrl_llm.train.metrics_log import MetricsLogger
+from jaxrl_llm.train.preemption import StopSync
 from jaxrl_llm.train.state_items import state_items
 
 POLL_S = 0.5  # how often a waiting side checks that the other is still alive
@@ -149,6 +152,7 @@ class SamplerSide:
         self.mu_source = mu_source
         self.bar: Any = None
         self.free = False  # free-running: sample with the newest weights, not θ_U(r)
+        self.stop: threading.Event | None = None  # set: abandon the round at its next segment
 
     def version(self, round_index: int) -> int:
         return version_of(self.config, round_index)
@@ -169,7 +173,8 @@ class SamplerSide:
         records = self.policy.rollout(picked, n=g.n, seed=sampling_seed(self.config.seed, round_index),
                                       group_offset=round_index * o.prompts_per_round,
                                       **(self._in_flight(version, swaps) if o.inflight_weights
-                                         else {}))
+                                         else {}),
+                                      **({"on_segment": self._check_stop} if self.stop else {}))
         t2 = time.perf_counter()
         metrics = reward_metrics(records, g.n, o.pass_k)
         records, mismatch = self._mu(self, records)
@@ -184,6 +189,13 @@ class SamplerSide:
                        {"seconds_sampling": t2 - t1, "seconds_scoring": t3 - t2,
                         "sampler_busy": time.perf_counter() - t1, "sampler_wait": t1 - t0,
                         "inflight_swaps": float(len(swaps)), "inflight_swap_s": sum(swaps)})
+
+    def _check_stop(self, *_: int) -> None:
+        """After each decode segment: a stopping trainer (Ctrl-C, SIGTERM, an error) ends the
+        round here, so the thread ends within a segment instead of a whole round (the round
+        is sampled again, identically, on resume)."""
+        if self.stop is not None and self.stop.is_set():
+            raise _Stopped
 
     def _in_flight(self, version: int, swaps: list[float]) -> dict[str, Any]:
         """`Policy.rollout`'s in-flight keywords: before each decode segment, the newest
@@ -206,6 +218,7 @@ class SamplerSide:
     def run(self, first: int, last: int, position: int, out: queues.Queue[Any],
             stop: threading.Event) -> None:
         """Rounds `first` … `last − 1` into `out`, in order; an error is handed over too."""
+        self.stop = stop
         try:
             for r in range(first, last):
                 if stop.is_set():
@@ -260,10 +273,15 @@ class Feed:
         return done
 
     def close(self) -> None:
+        """Stop the sampler thread and wait for it: it ends at its next decode segment
+        (`SamplerSide._check_stop`), never abandoned while it runs XLA programs."""
         self.stop.set()
         self.side.weights.close()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                print("online: waiting for the sampler thread to end its decode segment",
+                      file=sys.stderr)
 
 
 def wants_pipeline(config: OnlineConfig) -> bool:
@@ -286,6 +304,8 @@ class Opened:
     side: SamplerSide | None
     weights: Weights | None
     _decode: tuple[Any, Any] | None = None  # the sampler's (decode layout, dtype), once
+    stop: Any = None  # the trainer loop's StopSync (`watch_signals`)
+    stopped: bool = False
 
     def publish(self) -> float:
         """θ_updates onto the sampler's devices, in its decode layout and sampling dtype (the
@@ -312,17 +332,37 @@ class Opened:
         """After each round's row (and its checkpoint when `saved`): nothing here; the
         storage trainer (online/remote.py) records its progress and collects garbage."""
 
-    def close(self, feed: Feed, bar: Any, logger: MetricsLogger) -> None:
+    def watch_signals(self) -> None:
+        """From here on, Ctrl-C and SIGTERM stop the trainer after its current round,
+        checkpointed, on every process at the same round (the serial loop's `StopSync`; an
+        evaluation they interrupt ends early and the round still stops)."""
+        self.stop = StopSync(what="the current round and its checkpoint")
+        self.stop.install()
+
+    def should_stop(self, last_round: int) -> bool:
+        """After a round's row: whether a signal stops the run here (every process agrees)."""
+        self.stopped = self.stop.should_stop(self.run.round) and self.run.round < last_round
+        return self.stopped
+
+    def close(self, feed: Feed | None, bar: Any, logger: MetricsLogger) -> None:
         """Stop the sampler side, close the bars, the metrics and the checkpointer."""
-        feed.close()
-        for closing in (getattr(self.side, "bar", None), bar, logger, self.checkpointer):
-            if closing is not None:
-                closing.close()
+        try:
+            if feed is not None:
+                feed.close()
+        finally:
+            if self.stop is not None:
+                self.stop.uninstall()
+            for closing in (getattr(self.side, "bar", None), bar, logger, self.checkpointer):
+                if closing is not None:
+                    closing.close()
 
     def result(self, last: dict[str, Any]) -> Any:
         jax.block_until_ready(self.policy.state.params)
-        return loop.OnlineResult(rounds=self.run.round, updates=self.run.updates, last=last,
-                                 policy=self.policy)
+        latest = self.checkpointer.latest_step()
+        return loop.OnlineResult(
+            rounds=self.run.round, updates=self.run.updates, last=last, policy=self.policy,
+            stopped=self.stopped, stop_signal=self.stop.signum if self.stopped else None,
+            checkpoint=None if latest is None else str(self.checkpointer.directory / str(latest)))
 
     def save(self, pending: list[list[Record]], **extra: Any) -> None:
         self.run.queue = StalenessQueue(self.run.queue.staleness, pending)
@@ -362,8 +402,12 @@ def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened]
     if not sampler:
         return opened(config, experiment, placement, policy, run, meta, checkpointer, None, None)
     weights = Weights(newest_only=config.online.pipeline == "free")
-    side = SamplerSide(config, policy, placement, problems_of(config, policy), weights,
+    problems = problems_of(config, policy)
+    side = SamplerSide(config, policy, placement, problems, weights,
                        mu_source=run.mu_source, mu=sampler_mu(config))
+    # on its own devices the sampler also holds the versions in flight beside its own
+    run.fix_sampler_batch(config, side.policy, problems,
+                          in_flight=IN_FLIGHT_VERSIONS if placement.split else 0)
     return opened(config, experiment, placement, policy, run, meta, checkpointer, side, weights)
 
 
@@ -426,11 +470,13 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
     logger = opened.logger()
     bar = progress_bar(total_updates, desc="trainer", unit="update",
                        enabled=progress and jax.process_index() == 0, initial=run.updates)
-    publish()
-    feed = make_feed()
     sampled: dict[int, Sampled] = {}
     last: dict[str, Any] = {}
+    feed = None
     try:
+        opened.watch_signals()
+        publish()
+        feed = make_feed()
         while run.round < last_round:
             t_round = time.perf_counter()
             waited = feed.waited
@@ -473,10 +519,13 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
             syncs.clear()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round,
                             refresh=False)  # no second line for this count (a log)
-            saved = checkpointer.should_save(run.round) or run.round == last_round
+            stopped = opened.should_stop(last_round)
+            saved = checkpointer.should_save(run.round) or run.round == last_round or stopped
             if saved:
                 opened.save(list(pending))
             opened.round_done(saved)
+            if stopped:
+                break
     finally:
         opened.close(feed, bar, logger)
     return opened.result(last)

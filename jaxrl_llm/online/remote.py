@@ -50,6 +50,7 @@ from jaxrl_llm.online.pipeline import (
 from jaxrl_llm.online.placement import Placement, check_placement
 from jaxrl_llm.online.rounds import sampling_seed
 from jaxrl_llm.online.run_identity import check_file_run, check_manifest, manifest_of
+from jaxrl_llm.online.sampler_shape import fixed_sampler_batch
 from jaxrl_llm.online.weight_parts import cast_for_sampling, expected_leaves, local_part
 from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.sampling.layout import sampling_dtype
@@ -221,7 +222,7 @@ def run_trainer(config: OnlineConfig, *, progress: bool = True, eval_hook: Any =
     else:
         result = train_rounds(opened, lambda: StoredFeed(opened, opened.run.round),
                               progress=progress, eval_hook=eval_hook, eval_every=eval_every)
-    if _lead():
+    if _lead() and not result.stopped:  # a stopped trainer resumes: its workers wait
         opened.write_progress(done=True)  # free-running workers stop
     return result
 
@@ -346,6 +347,7 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
     side = SamplerSide(config, policy, placement, problems, weights, mu_source=None,
                        mu=sampler_mu(config))
     del policy, template  # the side keeps its own Policy (no optimizer state)
+    side.policy.sampler_batch = _sampler_batch(ex, config, side, problems)
     engine = f"jax {jax.__version__}"
     if g.backend == "vllm":  # vLLM samples; the JAX policy takes the versions and scores μ
         from jaxrl_llm.online.vllm_rollout import VllmRollout
@@ -397,6 +399,19 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
             side.policy.close()
     return {"worker": index, "sampled_rounds": sampled, "skipped_rounds": skipped,
             "engine": engine, "exchange": str(ex.root)}
+
+
+def _sampler_batch(ex: Exchange, config: OnlineConfig, side: SamplerSide,
+                   problems: list[Any]) -> int:
+    """Every worker's prompt batch for the whole run (`online/sampler_shape.py`): the first
+    worker to start decides it (beside the version it caches, one more in flight) and
+    records it in `sampler.json`; the others, and restarts, take it from there."""
+    decided = ex.read_json("sampler.json")
+    if decided is None:
+        ex.write_json("sampler.json", {"sampler_batch": fixed_sampler_batch(
+            config, side.policy, problems, in_flight=1)})
+        decided = ex.read_json("sampler.json")  # two first workers: the last write wins
+    return int(decided["sampler_batch"])
 
 
 def _sample(side: SamplerSide, r: int, position: int) -> Sampled:

@@ -35,11 +35,9 @@ from jaxrl_llm.sampling.sampler import Sampler, default_bucket, sampling_bytes
 BATCHING = ("continuous", "static")
 
 
-def decode_weights_bytes(model: Any, layout: DecodeLayout | None = None) -> int:
-    """Bytes per device of the weights' decode copies: the layer weights' fused copy
-    (`Decoder.decode_layer_params`, built once per sampling call; counted as the whole layer
-    weights, an upper bound), and with a `layout` that places or casts them (`place_state`)
-    the whole model once more, in the sampling dtype, split over its tensor axis."""
+def _placed_bytes(model: Any, tree: Any, layout: DecodeLayout | None) -> int:
+    """Bytes per device of `tree`'s arrays in the sampling dtype (`castable` ones), the
+    matrices split over the `layout`'s tensor axis."""
     dtype = sampling_dtype(model)
     dtype = None if dtype is None else jnp.dtype(dtype)
     tensor = 1 if layout is None else layout.tensor
@@ -48,22 +46,39 @@ def decode_weights_bytes(model: Any, layout: DecodeLayout | None = None) -> int:
         item = dtype.itemsize if dtype is not None and castable(a, dtype) else a.dtype.itemsize
         return a.size * item // (tensor if a.ndim >= 2 else 1)
 
-    layers = sum(size(a) for a in jax.tree.leaves(nnx.state(model.layers, nnx.Param)))
+    return sum(size(a) for a in jax.tree.leaves(tree))
+
+
+def weight_version_bytes(model: Any, layout: DecodeLayout | None = None) -> int:
+    """Bytes per device of one copy of the model's weights as the sampler decodes with them
+    (a weight version a pipeline publishes: `DecodeLayout.place_state`)."""
+    return _placed_bytes(model, nnx.state(model, nnx.Param), layout)
+
+
+def decode_weights_bytes(model: Any, layout: DecodeLayout | None = None) -> int:
+    """Bytes per device of the weights' decode copies: the layer weights' fused copy
+    (`Decoder.decode_layer_params`, built once per sampling call; counted as the whole layer
+    weights, an upper bound), and with a `layout` that places or casts them (`place_state`)
+    the whole model once more, in the sampling dtype, split over its tensor axis."""
+    dtype = sampling_dtype(model)
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    layers = _placed_bytes(model, nnx.state(model.layers, nnx.Param), layout)
     placed = layout is not None and (layout.mesh is not None or any(
         dtype is not None and castable(a, dtype) for a in jax.tree.leaves(nnx.state(model))))
-    return layers + (sum(size(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
-                     if placed else 0)
+    return layers + (weight_version_bytes(model, layout) if placed else 0)
 
 
 def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
                       max_new_tokens: int, key: str, cache_itemsize: int = 4,
                       layout: DecodeLayout | None = None,
-                      say: Callable[[str], None] | None = None) -> int:
+                      say: Callable[[str], None] | None = None, reserve: int = 0,
+                      reserved: str = "") -> int:
     """The largest prompt batch ≤ `batch_size` (halving) whose sampling memory fits on each
     device of the decode `layout` (the KV cache split over its slot groups and tensor axis,
     beside the decode copies of the weights, `decode_weights_bytes`); `key` names the config
     key of the batch size in the messages. On a host whose fake devices share its memory (CPU),
-    the need is this process's devices' sum."""
+    the need is this process's devices' sum. `reserve`: bytes per chip kept free besides
+    (`reserved` says for what, e.g. the weight versions a pipeline holds in flight)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_kv_heads"):
         return batch_size  # not a Decoder (test models): nothing to estimate
@@ -83,7 +98,7 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
                             kv_only=True)
         rest = sampling_bytes(config, prompts=prompts, n=n, prompt_len=prompt_len,
                               max_new_tokens=max_new_tokens, cache_itemsize=cache_itemsize) - kv
-        return int((kv / split_kv + rest / layout.groups) * (1 + MARGIN)) + weights
+        return int((kv / split_kv + rest / layout.groups) * (1 + MARGIN)) + weights + reserve
 
     need = lambda prompts: per_chip(prompts) * local + overhead
     size = batch_size
@@ -94,7 +109,8 @@ def fit_sampler_batch(model: Any, *, batch_size: int, n: int, prompt_len: int,
             f"sampling {n} completions of up to {max_new_tokens} tokens after a "
             f"{prompt_len}-token prompt needs about {gib(per_chip(size))} per chip even "
             f"{'one prompt' if size == 1 else f'{size} prompts'} at a time (KV cache, logits and the decode copies of the "
-            f"weights, estimated, over the decode layout's {layout.describe()}"
+            f"weights{f', {reserved}' if reserved else ''}, estimated, over the decode layout's "
+            f"{layout.describe()}"
             + (f"; {gib(need(size))} for this host's {local} devices" if local > 1 else "")
             + f"); {gib(available.bytes)} is {available.where}. "
             "Lower the samples per prompt (generate.n / eval.n), the new tokens "
@@ -115,7 +131,7 @@ def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]
                   say: Callable[[str], None] | None = None,
                   segment_s: float | None = None, batching: str = "continuous",
                   prefill_chunk: int | None = None, decode_data: int | None = None,
-                  decode_tensor: int | None = None) -> Sampler:
+                  decode_tensor: int | None = None, fit_memory: bool = True) -> Sampler:
     """A `Sampler` for `prompt_ids` (token id lists): pad id from `tokenizer` (0 if it has
     none), prompt batch `batch_size` or fewer so that `n` samples of `max_new_tokens` after
     the longest prompt's bucket fit (`fit_sampler_batch`; `key` is the batch size's config key).
@@ -126,7 +142,9 @@ def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]
     `generate.prefill_chunk`: `GenerateConfig.sampler_options`). `decode_data` ×
     `decode_tensor`: the continuous sampler's decode layout (`layout.from_model`; None: derived
     from the weights' mesh); its slots are batch_size × n rounded up to a multiple of its slot
-    groups, said through `say` when that adds slots."""
+    groups, said through `say` when that adds slots. `fit_memory=False`: exactly
+    `batch_size` prompts per batch, not refitted to the memory left now (a batch the caller
+    fixed once, after its own memory check: `Policy.sampler_batch`)."""
     if batching not in BATCHING:
         raise ValueError(f"batching={batching!r}: expected one of {BATCHING}")
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -152,8 +170,9 @@ def build_sampler(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]
     layout = (from_model(model, data=decode_data, tensor=decode_tensor)
               if batching == "continuous" else DecodeLayout())
     prompt_len = default_bucket(max(map(len, prompt_ids), default=1))
-    fitted = fit_sampler_batch(model, batch_size=batch_size, n=n, prompt_len=prompt_len,
-                               max_new_tokens=max_new_tokens, key=key, layout=layout, say=say)
+    fitted = batch_size if not fit_memory else fit_sampler_batch(
+        model, batch_size=batch_size, n=n, prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens, key=key, layout=layout, say=say)
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = 0 if pad is None else pad
     segment_s = segment_s if jax.process_count() == 1 else None
