@@ -4,7 +4,7 @@ with `model.scan_layers: false`, and optionally the same commands at an older co
 (`--ref`), in one run on the same machine.
 
 The sampler decodes with the layers unrolled, each on its own KV-cache buffer, whatever the
-config's layout (models/decoder.py). Before that (`--ref 84d6972`), a scanned model decoded
+config's layout (models/kv_cache.py). Before that (`--ref 84d6972`), a scanned model decoded
 under a `lax.scan` over a stacked cache, which copies each layer's slice out of the stack and
 back every step. Each arm is the user's command as a subprocess in its own temporary
 directory (relative paths, a config file), T = 1 until EOS or 128 tokens, n = 8 samples of

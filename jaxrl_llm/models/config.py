@@ -118,7 +118,7 @@ class DecoderConfig:
     compute_dtype: str = "float32"
     remat: RematPolicy = "none"
     scan_layers: bool = False
-    # How a scanned model decodes (models/decoder.py `stacked_decode`): auto | unrolled | scanned.
+    # How scanned layers decode (models/kv_cache.py `stacked_decode`): auto | unrolled | scanned.
     decode_layers: str = "auto"
     # Attention kernel (models/attention.py): auto | jnp | xla | cudnn | splash | ring.
     attention: str = "auto"

@@ -12,50 +12,40 @@ Inputs
 
 Layers are either a `nnx.List` of `Block`s (`scan_layers=False`) or one `Block` whose
 parameters carry a leading "layers" axis and run under `jax.lax.scan` (`scan_layers=True`):
-same numerics, same HF names. Each layer is wrapped in `jax.checkpoint` with the policy named
-by `config.remat`. With a KV cache (decoding) a scanned model runs unrolled, each layer on its
-own cache buffer, unless `stacked_decode` says otherwise: XLA:CPU copies each layer's slice of a
-stacked cache out and back every step (SmolLM2-135M, 16 rows, 2 CPU cores: 431 ms per decode
-step scanned against 96 ms unrolled), while the TPU compiler updates the stack in place and
-compiles the scan far faster (Llama-3-8B decode for v5e: 8.5 s against 93 s,
-benchmarks/decode_v5e.py) without a per-layer copy of the weights.
+same numerics, same HF names (models/decoder_block.py). Each layer is wrapped in
+`jax.checkpoint` with the policy named by `config.remat`. With a KV cache (decoding) a scanned
+model runs unrolled, each layer on its own cache buffer, unless `stacked_decode` says otherwise
+(models/kv_cache.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from jaxrl_llm.models.attention import (
     attention_mesh,
     current_mesh,
-    current_platform,
     fsdp_only,
     gather_sequence,
     resolve,
     self_attention,
 )
 from jaxrl_llm.models.config import DecoderConfig
+from jaxrl_llm.models.decoder_block import REMAT_POLICIES, Block, block_forward
+from jaxrl_llm.models.kv_cache import KVCache, empty_cache, fused_decode_params, per_layer
 from jaxrl_llm.models.layer_scan import LayerGradAccumulator, accumulating_layer_scan
 from jaxrl_llm.models.layers import (
-    MLP,
-    Attention,
     RMSNorm,
     attention_mask,
-    cached_attention,
     dot_product_attention,
-    fuse_projections,
     make_param,
-    mlp,
-    project_out,
-    project_qkv,
     rms_norm,
     rope_attention_scale,
     rope_cos_sin,
@@ -65,143 +55,6 @@ from jaxrl_llm.models.layers import (
 from jaxrl_llm.parallel.context import load_balance_order
 
 Array = jax.Array
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole layer in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
-
-@struct.dataclass
-class KVCache:
-    """Key/value cache for incremental decoding (a pytree; shapes are static).
-
-    k             L × [B, Hkv, D, S] keys (after RoPE) of each layer, transposed (or one
-                  stacked [L, B, Hkv, D, S] array: `stacked_decode`)
-    v             L × [B, Hkv, S, D] values of each layer (or [L, B, Hkv, S, D])
-    segment_ids   [B, S] int32       segment id of each slot; 0 = empty or padding (never seen)
-    positions     [B, S] int32       RoPE position of each slot (for the sliding window)
-    index         [] int32           next slot to write (the same for every row)
-    lengths       [B] int32          number of non-padding tokens written per row
-
-    A call with T tokens writes them to slots [index, index + T) of every row, then
-    index += T and lengths += (number of tokens with segment id ≠ 0). Queries see cache slots
-    that are non-padding, in the same segment, at or before their own slot (and within the
-    sliding window by position). Default positions with a cache continue each row:
-    `lengths[:, None] + cumsum(segment_ids != 0) - 1`, so a left- or right-padded prompt
-    (segment_ids = its attention mask) gets positions 0..n-1 on its real tokens and each
-    decode step (segment_ids = 1) gets the row's next position. The layouts are the ones
-    `layers.cached_attention` multiplies without a transpose; k and v are tuples of one array
-    per layer, so a layer reads its own buffer instead of copying a slice out of a stack,
-    except under `stacked_decode` (a scanned model decoded under its layer scan).
-    Writing past S is not checked inside jit: the caller must keep index + T ≤ S. Attention
-    always spans all S slots (static shapes; the sampler grows S between windows of steps);
-    k/v are updated with dynamic_update_slice, in place when the cache is a loop carry
-    (`lax.while_loop` / `fori_loop`) or a donated jit argument.
-    """
-
-    k: tuple[Array, ...] | Array
-    v: tuple[Array, ...] | Array
-    segment_ids: Array
-    positions: Array
-    index: Array
-    lengths: Array
-
-    @property
-    def max_len(self) -> int:
-        return jax.tree.leaves(self.v)[0].shape[-2]
-
-
-class Block(nnx.Module):
-    """One decoder layer's parameters (optionally stacked `stack` deep for the scan)."""
-
-    def __init__(self, config: DecoderConfig, rngs: nnx.Rngs, *, stack: int | None = None):
-        d = config.hidden_size
-        self.attn_norm = RMSNorm(d, config, stack=stack)
-        self.attn = Attention(config, rngs, stack=stack)
-        self.mlp_norm = RMSNorm(d, config, stack=stack)
-        self.mlp = MLP(config, rngs, stack=stack)
-        if config.is_gemma:
-            self.post_attn_norm = RMSNorm(d, config, stack=stack)
-            self.post_mlp_norm = RMSNorm(d, config, stack=stack)
-
-
-def block_forward(
-    p: dict[str, Any],
-    x: Array,
-    cos: Array,
-    sin: Array,
-    mask: Array | Callable[[Array, Array, Array], Array],
-    kv: tuple[Array, Array] | None,
-    cache_index: Array | None,
-    config: DecoderConfig,
-    layer_index: Array | int = 0,
-) -> tuple[Array, tuple[Array, Array] | None]:
-    """One pre-norm layer on the pure parameter dict `p`.
-
-    mask: the [B, T, S] mask for `layers.dot_product_attention`, or a function
-    `(q, k, v) -> attention output` (a fused kernel from `models/attention.py`).
-    kv: None, this layer's cache pair [B, Hkv, D, S] / [B, Hkv, S, D], or the whole stacked
-    pair [L, B, Hkv, D, S] / [L, B, Hkv, S, D] read and written at `layer_index` (`KVCache`).
-    The new keys and values are written in place (one dynamic_update_slice on the
-    loop-carried buffer, so a decode step never copies the cache) and the updated pair is
-    returned.
-    """
-    c = config
-    norm = lambda h, name: rms_norm(h, p[name]["scale"], eps=c.rms_norm_eps, gemma=c.is_gemma)
-    q, k, v = project_qkv(p["attn"], norm(x, "attn_norm"), cos, sin, c)
-    if kv is not None:
-        kv = _write_cache(kv, k, v, layer_index, cache_index)
-        keys_t, values = kv
-        if keys_t.ndim == 5:  # the stack: this layer's slice
-            keys_t, values = (jax.lax.dynamic_index_in_dim(a, layer_index, 0, keepdims=False)
-                              for a in kv)
-        attn = cached_attention(q, keys_t.astype(q.dtype), values.astype(q.dtype), mask,
-                                scale=c.attn_scale, logit_softcap=c.attn_logit_softcap)
-    elif callable(mask):
-        attn = mask(q, k, v)
-    else:
-        attn = dot_product_attention(q, k, v, mask, scale=c.attn_scale,
-                                     logit_softcap=c.attn_logit_softcap)
-    h = project_out(p["attn"], attn, c)
-    if c.is_gemma:
-        h = norm(h, "post_attn_norm")
-    x = x + h
-    h = mlp(p["mlp"], norm(x, "mlp_norm"), c)
-    if c.is_gemma:
-        h = norm(h, "post_mlp_norm")
-    return x + h, kv
-
-
-def _write_cache(kv: tuple[Array, Array], k: Array, v: Array, layer_index: Array | int,
-                 slot: Array) -> tuple[Array, Array]:
-    """Write k, v [B, T, Hkv, D] at slots [slot, slot + T) of the cache pair (the `KVCache`
-    layouts: one layer's buffers, or a stack indexed by `layer_index`)."""
-    ck, cv = kv
-    new_k = k.transpose(0, 2, 3, 1).astype(ck.dtype)  # [B, Hkv, D, T]
-    new_v = v.transpose(0, 2, 1, 3).astype(cv.dtype)  # [B, Hkv, T, D]
-    if ck.ndim == 5:
-        return (jax.lax.dynamic_update_slice(ck, new_k[None], (layer_index, 0, 0, 0, slot)),
-                jax.lax.dynamic_update_slice(cv, new_v[None], (layer_index, 0, 0, slot, 0)))
-    return (jax.lax.dynamic_update_slice(ck, new_k, (0, 0, 0, slot)),
-            jax.lax.dynamic_update_slice(cv, new_v, (0, 0, slot, 0)))
-
-
-def stacked_decode(config: DecoderConfig) -> bool:
-    """Does sampling run this model's layers under its layer scan, on a stacked KV cache?
-    `decode_layers`: "scanned" / "unrolled", or "auto": scanned for a scanned model traced for a
-    TPU (the mesh's platform, `attention.current_platform`), unrolled elsewhere (module
-    docstring)."""
-    if not config.scan_layers or config.decode_layers == "unrolled":
-        return False
-    return config.decode_layers == "scanned" or current_platform() == "tpu"
-
-
-def per_layer(stacked: Any, num_layers: int) -> list[Any]:
-    """A scanned model's stacked layer params (leading "layers" axis) as a list of per-layer
-    trees (copies under jit: decoding reads each layer's weights from its own buffers)."""
-    return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)]
 
 
 class Decoder(nnx.Module):
@@ -263,34 +116,12 @@ class Decoder(nnx.Module):
         loop and pass as `layer_params` to every step. For a scanned model decoded unrolled
         this copies the layer weights once (the fused projections are a copy in either
         layout)."""
-        params = self.pure_layer_params()
-        if stacked_decode(self.config):
-            return fuse_projections(params)
-        if self.config.scan_layers:
-            return per_layer(fuse_projections(params), self.config.num_layers)
-        return [fuse_projections(p) for p in params]
+        return fused_decode_params(self.config, self.pure_layer_params())
 
     def init_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty `KVCache` for `batch_size` rows of up to `max_len` tokens (compute dtype):
-        one buffer per layer, or one stack under `stacked_decode` (module docstring)."""
-        c = self.config
-        dtype = dtype or c.compute_jnp_dtype
-        k_shape = (batch_size, c.num_kv_heads, c.head_dim, max_len)
-        v_shape = (batch_size, c.num_kv_heads, max_len, c.head_dim)
-        if stacked_decode(c):
-            k = jnp.zeros((c.num_layers, *k_shape), dtype)
-            v = jnp.zeros((c.num_layers, *v_shape), dtype)
-        else:
-            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(c.num_layers))
-            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(c.num_layers))
-        return KVCache(
-            k=k,
-            v=v,
-            segment_ids=jnp.zeros((batch_size, max_len), jnp.int32),
-            positions=jnp.zeros((batch_size, max_len), jnp.int32),
-            index=jnp.zeros((), jnp.int32),
-            lengths=jnp.zeros((batch_size,), jnp.int32),
-        )
+        one buffer per layer, or one stack under `stacked_decode` (models/kv_cache.py)."""
+        return empty_cache(self.config, batch_size, max_len, dtype)
 
     def __call__(
         self,
@@ -388,7 +219,7 @@ class Decoder(nnx.Module):
             return block_forward(p, x, cos, sin, mask, kv, cache_index, c, layer_index)
 
         params = self.pure_layer_params() if layer_params is None else layer_params
-        # With a cache: scanned only over a stacked cache (`stacked_decode`, module docstring).
+        # With a cache: scanned only over a stacked cache (`stacked_decode`, models/kv_cache.py).
         stacked = cache is not None and not isinstance(cache.k, (list, tuple))
         scanned = c.scan_layers and cache is None
         if stacked and isinstance(params, (list, tuple)):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_llm.models.decoder import KVCache
+from jaxrl_llm.models.kv_cache import KVCache
 
 Array = jax.Array
 Carry = dict[str, Any]  # {"loop": per-row decode state, "out": the output buffers}

@@ -31,7 +31,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.decoder import block_forward, per_layer
+from jaxrl_llm.models.decoder_block import block_forward
+from jaxrl_llm.models.kv_cache import per_layer
 from jaxrl_llm.models.layers import (
     _group_queries,
     _masked_probs,
