@@ -183,7 +183,7 @@ def exchange_sides(name: str, dtype: str, placement: Any, model: Any, params: An
                            param_dtypes=())
         return Policy(config, state, None, placement.trainer)
     trainer = StorageTrainer(config=config, experiment=None, placement=placement,
-                             policy=policy(params, rest), run=loop._Run(0), meta={},
+                             policy=policy(params, rest), run=loop.RunState(0), meta={},
                              checkpointer=None, side=None, weights=None, ex=ex,
                              manifest=manifest, dtype=sampling, incarnation="benchmark")
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, rest))

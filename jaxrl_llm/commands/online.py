@@ -49,12 +49,6 @@ def run(args: argparse.Namespace) -> int:
                          indent=2))
         return 0
     hook, every = None, config.train.eval_every or 0
-    if every and config.online.pipeline == "free":
-        from jaxrl_llm.core.errors import ConfigError
-
-        raise ConfigError("train.eval_every: online.pipeline=free has no update count to "
-                          "evaluate at (its batches are dropped as they age); unset "
-                          "train.eval_every, or use online.pipeline=deterministic")
     if every:  # held-out pass@1 ± SE before, every eval_every updates, after (as `train`)
         from jaxrl_llm.eval.during_training import make_eval_hook
         from jaxrl_llm.policy.opener import open_tokenizer
@@ -68,12 +62,13 @@ def run(args: argparse.Namespace) -> int:
         from jaxrl_llm.online.remote import run_trainer
 
         result = run_trainer(config, progress=not args.no_progress, eval_hook=hook,
-                             eval_every=every)
+                             eval_every=every, eval_at_start=bool(every))
     elif config.online.pipeline == "free":
-        result = run_free(config, progress=not args.no_progress)
+        result = run_free(config, progress=not args.no_progress, eval_hook=hook,
+                          eval_every=every, eval_at_start=bool(every))
     elif wants_pipeline(config):
         result = run_pipeline(config, progress=not args.no_progress, eval_hook=hook,
-                              eval_every=every)
+                              eval_every=every, eval_at_start=bool(every))
     else:
         result = run_online(config, progress=not args.no_progress, eval_hook=hook,
                             eval_every=every, eval_at_start=bool(every))

@@ -26,12 +26,13 @@ from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.lag import lag_metrics, side_seconds, token_lag_metrics
 from jaxrl_llm.online.pipeline import Feed, open_run
-from jaxrl_llm.online.rounds import mean_metrics, reward_metrics
+from jaxrl_llm.online.rounds import mean_metrics, probe, probe_start, reward_metrics
 
 NO_END = 2**62  # the sampler's last round: it samples until the trainer stops it
 
 
-def run_free(config: OnlineConfig, *, progress: bool = True) -> Any:
+def run_free(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
+             eval_every: int = 0, eval_at_start: bool = False) -> Any:
     """The free-running loop (module docstring) of `config`; `loop.OnlineResult`."""
     if config.online.pipeline != "free":
         raise ValueError(f"online.pipeline={config.online.pipeline}: run_free runs "
@@ -46,7 +47,8 @@ def run_free(config: OnlineConfig, *, progress: bool = True) -> Any:
     # at most enough rounds ahead to cover the bound: the sampler waits beyond that
     return free_rounds(opened, lambda: Feed(side, counts["sampled_rounds"], NO_END,
                                             opened.run.position, overlap=True,
-                                            ahead=rounds_ahead(config)), progress=progress)
+                                            ahead=rounds_ahead(config)), progress=progress,
+                       eval_hook=eval_hook, eval_every=eval_every, eval_at_start=eval_at_start)
 
 
 def rounds_ahead(config: OnlineConfig) -> int:
@@ -61,16 +63,22 @@ def free_counts(meta: dict[str, Any]) -> dict[str, int]:
                                               "dropped_total", "sampled_rounds")}
 
 
-def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
+def free_rounds(opened: Any, make_feed: Any, *, progress: bool, eval_hook: Any = None,
+                eval_every: int = 0, eval_at_start: bool = False) -> Any:
     """The free-running trainer (module docstring) over `make_feed()`'s rounds, publishing
-    after every update (`opened.publish`)."""
+    after every update (`opened.publish`). `eval_hook` runs on the trainer's clock, as in
+    the other modes: before the first update (`eval_at_start`), whenever a round's updates
+    reach a new multiple of `eval_every`, and after the last (the sampler keeps sampling
+    meanwhile, bounded by `online.max_staleness`)."""
+    if eval_hook is not None and eval_every <= 0:
+        raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
     config = opened.config
     o, g = config.online, config.generate
     policy, run, checkpointer = opened.policy, opened.run, opened.checkpointer
     total_updates = o.rounds * o.updates_per_round
     batch = config.train.batch_size
     versions = opened.meta.get("versions", [])
-    pending: deque[tuple[int, list[Record]]] = deque(zip(versions, run.queue.batches(), strict=True))
+    pending: deque[tuple[int | None, list[Record]]] = deque(zip(versions, run.queue.batches(), strict=True))
     counts = free_counts(opened.meta)
     logger = opened.logger()
     bar = progress_bar(total_updates, desc="trainer", unit="update",
@@ -79,6 +87,9 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
     feed = None
     try:
         opened.watch_signals()
+        numbers = probe_start(eval_hook, eval_at_start, policy, run.round, total_updates)
+        if numbers:  # the step-0 row: the initial weights
+            last = logger.log(0, numbers)
         syncs = [opened.publish()]
         feed = make_feed()
         while run.round < o.rounds:
@@ -100,9 +111,9 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
                         for key in inflight:
                             inflight[key] += done.seconds.get(key, 0.0)
                     version, records = pending.popleft()
-                    if run.updates - version <= o.max_staleness:
+                    if version is not None and run.updates - version <= o.max_staleness:
                         break
-                    dropped += len(records)  # too old for the bound: never trained
+                    dropped += len(records)  # too old for the bound, or lost: never trained
                 t0 = time.perf_counter()
                 steps.append(policy.step(records))
                 busy += time.perf_counter() - t0
@@ -117,6 +128,8 @@ def free_rounds(opened: Any, make_feed: Any, *, progress: bool) -> Any:
             counts["dropped_total"] += dropped
             metrics = reward_metrics(trained, g.n, o.pass_k)
             metrics.update(mean_metrics(steps))
+            metrics.update(probe(eval_hook, eval_every, policy, run.updates - len(steps),
+                                 run.updates, total_updates))
             metrics.update(updates=run.updates, round_updates=len(steps),
                            queued=len(pending), mu_from_sampler=float(run.mu_source == "sampler"),
                            seconds_training=busy, **lag_metrics(lags, batch),

@@ -46,6 +46,7 @@ from jaxrl_llm.online.rounds import (
     logprob_mismatch,
     mean_metrics,
     probe,
+    probe_start,
     prompt_slice,
     reward_metrics,
     sampling_seed,
@@ -124,7 +125,7 @@ def experiment_of(config: OnlineConfig) -> ExperimentConfig:
     return ExperimentConfig.model_validate(data)
 
 
-class _Run:
+class RunState:
     """The loop's mutable position (what a checkpoint's meta holds besides the state)."""
 
     def __init__(self, staleness: int) -> None:
@@ -157,14 +158,15 @@ class _Run:
         policy.sampler_batch = self.sampler_batch
 
 
-def _restore(policy: Policy, checkpointer: Any, run: _Run) -> None:
+def restore_run(policy: Policy, checkpointer: Any, run: RunState) -> None:
+    """`policy`'s state and `run`'s position from the newest checkpoint (every mode's)."""
     step = checkpointer.latest_step()
     policy.state = restore_state(policy.state, str(checkpointer.directory), step=step)
     run.load(checkpointer.read_meta(step)[ONLINE_META])
 
 
-def _mu(policy: Policy, config: OnlineConfig, run: _Run, records: list[Any]
-        ) -> tuple[list[Any], dict[str, float]]:
+def round_mu(policy: Policy, config: OnlineConfig, run: RunState, records: list[Any]
+             ) -> tuple[list[Any], dict[str, float]]:
     """Records with μ set (sampler's or re-scored), and the mismatch metrics when scored."""
     o = config.online
     if not config.loss.spec.needs_mu and o.mu_source != "trainer":
@@ -231,12 +233,12 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     problems = policy.task.load(split=g.split, num=d.num_prompts, seed=config.seed)
     total_updates = o.rounds * o.updates_per_round
     total_rounds = o.rounds + math.ceil(o.staleness / o.updates_per_round)
-    run = _Run(o.staleness)
+    run = RunState(o.staleness)
     checkpointer = Checkpointer(as_path(config.run_dir) / CHECKPOINT_DIR, save_every=o.checkpoint_every,
                                 keep=config.train.keep_checkpoints, async_save=False,
                                 params_dtype=config.train.checkpoint_dtype)
     if checkpointer.latest_step() is not None:
-        _restore(policy, checkpointer, run)
+        restore_run(policy, checkpointer, run)
     run.fix_sampler_batch(config, policy, problems)
     lead = jax.process_index() == 0
     logger = MetricsLogger(config.run_dir, resume_step=run.round, enabled=lead,
@@ -250,11 +252,9 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
     stop.install()
     stopped, saved = False, checkpointer.latest_step()
     try:
-        if eval_hook is not None and eval_at_start and run.round == 0:
-            # update 0 counts as reached from −1: the hook runs on the initial weights
-            numbers = probe(eval_hook, 1, policy, -1, 0, total_updates)
-            if numbers:  # none when a Ctrl-C stopped it: no empty row
-                last = logger.log(0, numbers)
+        numbers = probe_start(eval_hook, eval_at_start, policy, run.round, total_updates)
+        if numbers:  # none when a Ctrl-C stopped it: no empty row
+            last = logger.log(0, numbers)
         while run.round < total_rounds and not stopped:
             t0 = time.perf_counter()
             picked = [problems[i] for i in prompt_slice(run.position, o.prompts_per_round,
@@ -264,7 +264,7 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
             records = shared_rewards(records)
             t1 = time.perf_counter()
             metrics = reward_metrics(records, g.n, o.pass_k)
-            records, mismatch = _mu(policy, config, run, records)
+            records, mismatch = round_mu(policy, config, run, records)
             t2 = time.perf_counter()
             k = k_for_round(o.pkpo_k, d.pkpo_k, run.round)
             records = transform_rewards(records, d.group_transform, k=k)

@@ -46,6 +46,7 @@ from jaxrl_llm.online.rounds import (
     k_for_round,
     mean_metrics,
     probe,
+    probe_start,
     prompt_slice,
     reward_metrics,
     sampling_seed,
@@ -66,7 +67,8 @@ class Sampled:
     """One round as the sampler side hands it over."""
 
     round: int
-    version: int  # the weights θ_version sampled it
+    version: int | None  # the weights θ_version sampled it; None: weights lost with a killed
+    # free-running trainer (published past its checkpoint): never trained, counted dropped
     position: int  # the prompt position after it
     batches: list[list[Record]]
     metrics: dict[str, float]  # reward metrics, μ mismatch, pkpo_k
@@ -153,6 +155,9 @@ class SamplerSide:
         self.bar: Any = None
         self.free = False  # free-running: sample with the newest weights, not θ_U(r)
         self.stop: threading.Event | None = None  # set: abandon the round at its next segment
+        # what samples a round: the policy itself, or a stand-in with the same `rollout`
+        # (a vLLM worker's `VllmRollout`); weights and μ stay the policy's
+        self.sampler: Any = self.policy
 
     def version(self, round_index: int) -> int:
         return version_of(self.config, round_index)
@@ -170,7 +175,7 @@ class SamplerSide:
         picked = [self.problems[i] for i in prompt_slice(position, o.prompts_per_round,
                                                          len(self.problems))]
         swaps: list[float] = []
-        records = self.policy.rollout(picked, n=g.n, seed=sampling_seed(self.config.seed, round_index),
+        records = self.sampler.rollout(picked, n=g.n, seed=sampling_seed(self.config.seed, round_index),
                                       group_offset=round_index * o.prompts_per_round,
                                       **(self._in_flight(version, swaps) if o.inflight_weights
                                          else {}),
@@ -298,7 +303,7 @@ class Opened:
     experiment: Any
     placement: Placement
     policy: Policy
-    run: Any  # loop._Run
+    run: Any  # loop.RunState
     meta: dict[str, Any]  # the restored checkpoint's online meta ({} on a fresh run)
     checkpointer: Checkpointer
     side: SamplerSide | None
@@ -384,13 +389,13 @@ def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened]
     o = config.online
     experiment = loop.experiment_of(config)
     policy = load_policy(config=experiment, mesh=placement.trainer)
-    run = loop._Run(o.staleness)
+    run = loop.RunState(o.staleness)
     checkpointer = Checkpointer(as_path(config.run_dir) / CHECKPOINT_DIR, save_every=o.checkpoint_every,
                                 keep=config.train.keep_checkpoints, async_save=False,
                                 params_dtype=config.train.checkpoint_dtype)
     meta: dict[str, Any] = {}
     if checkpointer.latest_step() is not None:
-        loop._restore(policy, checkpointer, run)
+        loop.restore_run(policy, checkpointer, run)
         meta = checkpointer.read_meta(checkpointer.latest_step())[loop.ONLINE_META]
         free = meta.get("mode") == "free"
         if free != (o.pipeline == "free"):  # rows, rounds and the queue mean other things
@@ -421,9 +426,9 @@ def sampler_mu(config: OnlineConfig) -> Callable[[SamplerSide, list[Record]], An
     """The sampler side's μ step: the serial loop's `_mu`, its decision kept on the side."""
 
     def mu(side: SamplerSide, records: list[Record]) -> Any:
-        state = loop._Run(0)
+        state = loop.RunState(0)
         state.mu_source = side.mu_source
-        out = loop._mu(side.policy, config, state, records)
+        out = loop.round_mu(side.policy, config, state, records)
         side.mu_source = state.mu_source
         return out
 
@@ -431,7 +436,7 @@ def sampler_mu(config: OnlineConfig) -> Callable[[SamplerSide, list[Record]], An
 
 
 def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
-                 eval_every: int = 0) -> Any:
+                 eval_every: int = 0, eval_at_start: bool = False) -> Any:
     """`loop.run_online` with the sampler on `online.sampler_devices` devices (module
     docstring): the same result type, rows (plus `pipeline/*` columns) and checkpoints."""
     if eval_hook is not None and eval_every <= 0:
@@ -445,11 +450,13 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
                             enabled=progress, initial=run.round)
     return train_rounds(opened, lambda: Feed(side, run.round, total_rounds(config), run.position,
                                              overlap=config.online.pipeline != "off"),
-                        progress=progress, eval_hook=eval_hook, eval_every=eval_every)
+                        progress=progress, eval_hook=eval_hook, eval_every=eval_every,
+                        eval_at_start=eval_at_start)
 
 
 def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool,
-                 eval_hook: Any = None, eval_every: int = 0) -> Any:
+                 eval_hook: Any = None, eval_every: int = 0, eval_at_start: bool = False
+                 ) -> Any:
     """The trainer's side of the deterministic pipeline: update u trains on batch u from
     `make_feed()` (rounds in order: `get()`, `next`, `waited`, `close()`), and θ_v is
     published (`opened.publish`) right after the update that made it when a round samples
@@ -475,6 +482,10 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
     feed = None
     try:
         opened.watch_signals()
+        # the serial loop's step-0 row: the initial weights, before the sampler starts
+        numbers = probe_start(eval_hook, eval_at_start, policy, run.round, total_updates)
+        if numbers:
+            last = logger.log(0, numbers)
         publish()
         feed = make_feed()
         while run.round < last_round:

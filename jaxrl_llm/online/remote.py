@@ -167,7 +167,7 @@ class StoredFeed:
                        {**header["metrics"], "pipeline/worker": float(worker)},
                        header["mu_source"], header["seconds"])
 
-    def _checked(self, r: int, version: int, incarnation: str | None) -> int:
+    def _checked(self, r: int, version: int, incarnation: str | None) -> int | None:
         opened, o = self.opened, self.opened.config.online
         path = opened.ex.round_path(r)
         if o.pipeline == "deterministic":
@@ -179,8 +179,7 @@ class StoredFeed:
                     f"config wrote it; delete it (worker {r % o.workers} samples it again)")
             return version
         if incarnation != self.opened.incarnation and version > opened.restored_updates:
-            # weights a killed trainer published past its checkpoint, lost with it: dropped
-            return opened.run.updates - o.max_staleness - 1
+            return None  # weights a killed trainer published past its checkpoint: lost
         if not 0 <= version <= opened.run.updates:
             raise ExchangeError(
                 f"{path}: round {r} was sampled with θ_{version}, outside the bound 0 … "
@@ -193,7 +192,7 @@ class StoredFeed:
 
 
 def run_trainer(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
-                eval_every: int = 0) -> Any:
+                eval_every: int = 0, eval_at_start: bool = False) -> Any:
     """The trainer side (module docstring); `loop.OnlineResult`."""
     o = config.online
     check_roles(config, "trainer", None)
@@ -218,10 +217,12 @@ def run_trainer(config: OnlineConfig, *, progress: bool = True, eval_hook: Any =
             ex.collect(versions_below=0, rounds_below=0, versions_above=opened.run.updates)
     if free:
         result = free_rounds(opened, lambda: StoredFeed(opened, counts["sampled_rounds"]),
-                             progress=progress)
+                             progress=progress, eval_hook=eval_hook, eval_every=eval_every,
+                             eval_at_start=eval_at_start)
     else:
         result = train_rounds(opened, lambda: StoredFeed(opened, opened.run.round),
-                              progress=progress, eval_hook=eval_hook, eval_every=eval_every)
+                              progress=progress, eval_hook=eval_hook, eval_every=eval_every,
+                              eval_at_start=eval_at_start)
     if _lead() and not result.stopped:  # a stopped trainer resumes: its workers wait
         opened.write_progress(done=True)  # free-running workers stop
     return result
@@ -352,8 +353,8 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
     if g.backend == "vllm":  # vLLM samples; the JAX policy takes the versions and scores μ
         from jaxrl_llm.online.vllm_rollout import VllmRollout
 
-        side.policy = VllmRollout(side.policy, problems)  # type: ignore[assignment]
-        engine = side.policy.engine_name
+        side.sampler = VllmRollout(side.policy, problems)
+        engine = side.sampler.engine_name
     free = o.pipeline == "free"
     last = NO_END if free else total_rounds(config)
     side.free = weights.free = free
@@ -396,7 +397,7 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
     finally:
         side.bar.close()
         if g.backend == "vllm":
-            side.policy.close()
+            side.sampler.close()
     return {"worker": index, "sampled_rounds": sampled, "skipped_rounds": skipped,
             "engine": engine, "exchange": str(ex.root)}
 

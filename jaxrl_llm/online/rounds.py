@@ -91,3 +91,12 @@ def probe(hook: Callable[[int, Any], Any] | None, every: int, policy: Any, befor
         return {f"eval/{k}": float(v) for k, v in (hook(after, policy) or {}).items()}
     except Interrupted:
         return {}
+
+
+def probe_start(hook: Callable[[int, Any], Any] | None, at_start: bool, policy: Any,
+                round_index: int, total: int) -> dict[str, float]:
+    """The step-0 row's `eval/KEY` numbers (the initial weights, before round 1 of a fresh
+    run: `round_index` 0), in every mode; none otherwise or when a Ctrl-C stopped the hook."""
+    if not at_start or round_index != 0:
+        return {}
+    return probe(hook, 1, policy, -1, 0, total)  # update 0 counts as reached from −1

@@ -1,4 +1,4 @@
-"""The online sampler's prompt batch, fixed once per run (issue 55 item 6).
+"""The online sampler's prompt batch, fixed once per run.
 
 Left to itself, the sampler picks its prompt batch at every call from the memory free at
 that moment (`sampling.build.fit_sampler_batch`), and with the batch every compiled shape:

@@ -34,8 +34,8 @@ def check_vllm_worker(config: Any) -> None:
 
 
 class VllmRollout:
-    """Stands in for the worker side's `Policy`: `rollout` runs on vLLM with the weights last
-    set through `state`; everything else (`score`, `tokenizer`, ...) is the JAX policy's."""
+    """A worker side's sampler (`SamplerSide.sampler`): `Policy.rollout`'s interface on vLLM,
+    with the weights last set on the JAX `policy`'s `state` (which still re-scores μ)."""
 
     def __init__(self, policy: Any, problems: Sequence[Any]) -> None:
         self._policy = policy
@@ -48,17 +48,6 @@ class VllmRollout:
         self._dir = Path(tempfile.mkdtemp(prefix="jaxrl-online-vllm-"))
         self._engine: VllmEngine | None = None
         self._exported: Any = None  # the params object last loaded into the engine
-
-    @property
-    def state(self) -> Any:
-        return self._policy.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._policy.state = value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._policy, name)
 
     @property
     def engine_name(self) -> str:

@@ -120,6 +120,9 @@ def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: 
             for d in (tmp_path / "serial", tmp_path / "cli/run")]
     assert meta[0] == meta[1] and len(meta[0]["queue"]) == 2
     serial_rows, rows = metric_rows(tmp_path / "serial"), metric_rows(tmp_path / "cli/run")
+    # the serial loop's step-0 row (the initial weights' evaluation), then one row a round
+    before, rows = rows[0], rows[1:]
+    assert before["step"] == 0 and "eval/pass_at_1" in before and "updates" not in before
     assert [r["updates"] for r in rows if "eval/pass_at_1" in r] == [2, 4]
     assert all("eval/pass_at_1_se" in r for r in rows if "eval/pass_at_1" in r)
     assert _comparable(serial_rows) == [{k: v for k, v in r.items() if not k.startswith("eval/")}

@@ -45,6 +45,27 @@ def test_online_evaluates_before_during_and_after_one_row_each(tmp_path: Path) -
     assert rows[3]["eval/invalid"] == pytest.approx(summary["proportions"]["invalid"])
 
 
+@pytest.mark.slow  # a free-running CLI run with three evaluations (~30 s)
+def test_free_running_online_evaluates_on_the_trainer_s_clock(tmp_path: Path) -> None:
+    """`online.pipeline: free` evaluates as the other modes do (issue 55 item 11): a row at
+    step 0, then when the updates reach a multiple of train.eval_every, and after the last;
+    the last equals `jaxrl-llm evaluate` of the final checkpoint."""
+    env = {**base_env(tmp_path / "jax-cache"), "JAXRL_PROGRESS_INTERVAL_S": "0",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    write_yaml(tmp_path / "online.yaml", tiny("run", train={"eval_every": 2}, eval=EVAL,
+                                              online={"pipeline": "free", "max_staleness": 2,
+                                                      "sampler_devices": 1}))
+    cli(["online", "--config", "online.yaml"], cwd=tmp_path, env=env)
+    rows = metric_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [("eval/pass_at_1" in r) for r in rows] == [True, False, True, True]
+    assert "loss" not in rows[0] and [r["updates"] for r in rows[1:]] == [1, 2, 3]
+    cli(["evaluate", "--config", "online.yaml", "--model", "run", "--out", "ev"], cwd=tmp_path,
+        env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    summary = json.loads((tmp_path / "ev/eval.json").read_text())
+    assert rows[3]["eval/pass_at_1"] == pytest.approx(summary["pass_at_1"]["mean"])
+
+
 def _logged(round_: int):
     def check(cwd: Path) -> bool:
         path = cwd / "run" / "metrics.jsonl"
