@@ -34,8 +34,13 @@ from jaxrl_llm.eval.evaluate import evaluate_model
 from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
 from jaxrl_llm.losses.logprobs import token_logprobs
 from jaxrl_llm.parallel.context import restore_order
-from jaxrl_llm.parallel.distributed import global_batch, global_batch_from_whole, host_array
-from jaxrl_llm.parallel.mesh import context_shards, make_mesh
+from jaxrl_llm.parallel.distributed import (
+    batch_on_mesh,
+    global_batch,
+    global_batch_from_whole,
+    host_array,
+)
+from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.policy.export import atomic_save
 from jaxrl_llm.policy.opener import OpenedModel, open_model
 from jaxrl_llm.sampling.build import build_sampler
@@ -237,7 +242,8 @@ class Policy:
     # -- batches, scoring, training -------------------------------------------------------
     def batch(self, records: Sequence[Record], *, require_mu: bool | None = None) -> Any:
         """Records → one global `Batch` of `train.batch_size` rows × `train.max_seq_len`
-        tokens (padding rows masked), sharded over the mesh's batch axes."""
+        tokens (padding rows masked), sharded over the mesh's batch axes, its tokens in the
+        mesh's order (`Batch.context_order`: load-balanced on a context-parallel mesh)."""
         t = self.config.train
         if len(records) > t.batch_size:
             raise ConfigError(f"{len(records)} records do not fit one batch of "
@@ -277,7 +283,7 @@ class Policy:
         t = loss_temperature(self.config) if temperature is None else float(temperature)
         batch = self.batch(records, require_mu=False)
         logp = host_array(self._score_fn(t)(self.state.params, self.state.model_state, batch))
-        logp = restore_order(logp, context_shards(self.mesh))  # `batch` is in its CP order
+        logp = restore_order(logp, batch.context_order)  # back to the tokens' order
         out = []
         for i, r in enumerate(records):
             start = r.prompt_ids.size - 1
@@ -285,12 +291,17 @@ class Policy:
         return out
 
     def step(self, records_or_batch: Sequence[Record] | Any) -> dict[str, float]:
-        """One optimizer update on a batch (records or a `Batch` from `batch`) with the
-        configured loss (`loss.name`, any registered loss): the same jitted, sharded
-        `train_step` as `jaxrl-llm train`. Returns its metrics on the host."""
+        """One optimizer update on a batch (records or a `Batch`: from `batch`, or built by
+        hand, e.g. with `data.collate.collate`, whole on every process) with the configured
+        loss (`loss.name`, any registered loss): the same jitted, sharded `train_step` as
+        `jaxrl-llm train`. A `Batch` in another token order than the mesh's
+        (`Batch.context_order`: a hand-built batch is in the natural order, a context-parallel
+        mesh trains on the load-balanced one) is converted first. Returns its metrics on the
+        host."""
         batch = records_or_batch
         if isinstance(records_or_batch, Sequence):
             batch = self.batch(records_or_batch)
+        batch = batch_on_mesh(batch, self.mesh)
         step = cached_train_step(self.config, self.mesh, self.state)
         self.state, metrics = step(self.state, batch)  # the old state is donated
         return {k: float(np.asarray(v)) for k, v in fetch_metrics(metrics).items()}

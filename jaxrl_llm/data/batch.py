@@ -18,9 +18,20 @@ Two layouts, told apart by the static `records_per_row` k = len(rewards) / B:
 
 Preference losses use the rows: `pair_index[p] = (chosen_row, rejected_row)` (unpacked only:
 `LossSpec.needs_pairs` in losses/registry.py refuse packing).
+
+Token order, the static `context_order` c (pytree aux data, not an array: a batch in another
+order is another jit signature, never mixed into one program): 1 = each row's tokens in their
+natural order, c > 1 = in the load-balanced order of c context shards
+(`parallel.context.load_balance_order`), the order a mesh with `mesh.context` = c trains on.
+`collate` builds natural batches; `parallel.context.reorder_batch` (through
+`parallel.distributed.global_batch*`, `Policy.batch`) puts one in a mesh's order and records
+it here; the train step refuses a batch whose order is not its mesh's (`check_order`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import chex
 import jax
@@ -49,6 +60,8 @@ class Batch:
     group_ids: jax.Array  # [B·k] int32, records of one prompt share it
     record_mask: jax.Array  # [B·k] float32, 0 for padding rows / empty record slots
     pair_index: jax.Array  # [P, 2] int32 (chosen row, rejected row); P may be 0
+    # static: 1 = natural token order, c > 1 = load-balanced for c context shards (docstring)
+    context_order: int = struct.field(pytree_node=False, default=1)
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +94,13 @@ class Batch:
         chex.assert_shape([self.rewards, self.correct, self.group_ids, self.record_mask], (n,))
         chex.assert_rank(self.pair_index, 2)
         chex.assert_type([self.inputs, self.targets, self.positions, self.segment_ids], jnp.int32)
+
+
+def array_fields(batch: Any) -> tuple[str, ...]:
+    """The array fields of a `Batch` (or any flax struct, instance or class), in order: every
+    field but the static ones (`context_order`)."""
+    return tuple(f.name for f in dataclasses.fields(batch)
+                 if f.metadata.get("pytree_node", True))
 
 
 def records_view(x: jax.Array, segment_ids: jax.Array, records_per_row: int) -> jax.Array:

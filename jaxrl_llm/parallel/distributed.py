@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl_llm.data.batch import array_fields
 from jaxrl_llm.parallel.context import reorder_batch
 from jaxrl_llm.parallel.mesh import context_shards
 from jaxrl_llm.parallel.rules import batch_shardings
@@ -121,12 +122,14 @@ def global_batch(local_batch: Any, mesh: Mesh) -> Any:
     for packed batches the [b·k] record slots of those rows, so process p's records follow
     process p−1's exactly as its rows do);
     `pair_index` is replicated and must be identical on every process (global row numbers).
-    Single-process runs get a plain sharded `device_put`. On a mesh with a "context" axis the
-    rows' tokens are put in the load-balanced order first (`parallel.context.reorder_batch`).
+    Single-process runs get a plain sharded `device_put`. The rows' tokens are put in the
+    mesh's order first, whatever order they are in (`parallel.context.reorder_batch`: the
+    load-balanced order on a mesh with a "context" axis, the natural one otherwise), and the
+    batch records it (`Batch.context_order`).
     """
     local_batch = reorder_batch(local_batch, context_shards(mesh))
     count = jax.process_count()
-    fields = local_batch.__dataclass_fields__
+    fields = array_fields(local_batch)
     template = local_batch.replace(
         **{
             name: jax.ShapeDtypeStruct(
@@ -154,11 +157,23 @@ def global_batch_from_whole(batch: Any, mesh: Mesh) -> Any:
     batch = reorder_batch(batch, context_shards(mesh))
     shardings = batch_shardings(batch, mesh)
     out = {}
-    for name in batch.__dataclass_fields__:
+    for name in array_fields(batch):
         value = np.asarray(getattr(batch, name))
         out[name] = jax.make_array_from_callback(value.shape, getattr(shardings, name),
                                                  lambda index, value=value: value[index])
     return batch.replace(**out)
+
+
+def batch_on_mesh(batch: Any, mesh: Mesh) -> Any:
+    """`batch` (host or global arrays) in the token order `mesh` trains on
+    (`Batch.context_order`): itself when it is, else gathered whole to the host
+    (`host_array`: a collective, so every process calls it with the same batch), converted
+    and placed again (`global_batch_from_whole`). What `Policy.step` runs on."""
+    if batch.context_order == context_shards(mesh):
+        return batch
+    whole = batch.replace(**{name: host_array(getattr(batch, name))
+                             for name in array_fields(batch)})
+    return global_batch_from_whole(whole, mesh)
 
 
 def host_array(value: Any) -> np.ndarray:

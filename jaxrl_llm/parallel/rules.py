@@ -185,10 +185,12 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
     Raises a ValueError naming the field when its row count is not a multiple of
     data × fsdp, or (context parallelism) its length not a multiple of 2 × context.
     """
+    from jaxrl_llm.data.batch import array_fields
+
     shards = batch_shards(mesh)
     context = context_shards(mesh)
     out = {}
-    for name in batch.__dataclass_fields__:
+    for name in array_fields(batch):
         value = getattr(batch, name)
         spec = batch_spec(name, value.ndim, mesh)
         if spec != P() and value.shape[0] % shards:
@@ -208,12 +210,13 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding_tree(mesh: Mesh, batch_cls: Any = None) -> Any:
-    """A `Batch` whose fields are the NamedShardings of `batch_spec` (jit in_shardings)."""
-    from jaxrl_llm.data.batch import TOKEN_FIELDS
+    """A `Batch` whose fields are the NamedShardings of `batch_spec` (jit in_shardings), in
+    the token order the mesh trains on (`Batch.context_order`: static, part of the tree)."""
+    from jaxrl_llm.data.batch import TOKEN_FIELDS, array_fields
 
     if batch_cls is None:
         from jaxrl_llm.data.batch import Batch as batch_cls
     return batch_cls(**{
         name: NamedSharding(mesh, batch_spec(name, 2 if name in TOKEN_FIELDS else 1, mesh))
-        for name in batch_cls.__dataclass_fields__
-    })
+        for name in array_fields(batch_cls)
+    }, context_order=context_shards(mesh))

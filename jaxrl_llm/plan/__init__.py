@@ -194,7 +194,7 @@ def _tpu_count(topology: str) -> int:
 
 
 def abstract_batch(config: ExperimentConfig, mesh: Any) -> Any:
-    """The global batch as ShapeDtypeStructs with the step's batch shardings."""
+    """The global batch as ShapeDtypeStructs with the step's batch shardings and token order."""
     b, t = config.train.batch_size, config.train.max_seq_len
     pairs = b // 2 if config.loss.spec.needs_pairs else 0
     # Packed rows (data.pack) carry k record slots each: per-record arrays are [B·k].
@@ -212,7 +212,7 @@ def abstract_batch(config: ExperimentConfig, mesh: Any) -> Any:
     return Batch(**{
         name: jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name))
         for name, (shape, dtype) in shapes.items()
-    })
+    }, context_order=shardings.context_order)  # the mesh's token order
 
 
 def _path_str(path: Any) -> str:

@@ -41,12 +41,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.config import ConfigError, ExperimentConfig
-from jaxrl_llm.data.batch import Batch, token_record_mask
+from jaxrl_llm.data.batch import Batch, array_fields, token_record_mask
 from jaxrl_llm.losses.registry import LOSS_SPECS
 from jaxrl_llm.losses.types import LossOutput
 from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.models.attention import attention_mesh
 from jaxrl_llm.models.layer_scan import LayerGradAccumulator
+from jaxrl_llm.parallel.context import check_order
 from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree, logical_to_mesh_spec
 from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
@@ -108,7 +109,8 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
     with attention_mesh(mesh):  # fused attention kernels run per shard of this mesh
         # passed only when set: models other than `Decoder` (test models) do not take it
         extra = {} if grad_accumulator is None else {"grad_accumulator": grad_accumulator}
-        if context_shards(mesh) > 1:  # the batch is in the load-balanced order (global_batch)
+        # the train step checked the batch's order (`check_order`); the scorer orders its own
+        if context_shards(mesh) > 1:
             extra["context_order"] = context_shards(mesh)
         hidden = model(inputs, positions=positions, segment_ids=segment_ids, **extra)
     softcap = getattr(model, "final_logit_softcap", None)
@@ -162,7 +164,7 @@ def _split_micro(batch: Batch, n: int, mesh: Mesh) -> Batch:
 
     fields = {
         name: split(getattr(batch, name))
-        for name in batch.__dataclass_fields__ if name != "pair_index"
+        for name in array_fields(batch) if name != "pair_index"
     }
     fields["pair_index"] = jnp.zeros((n, 0, 2), jnp.int32)
     return batch.replace(**fields)
@@ -289,6 +291,9 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
         return parts[0], (tuple(parts[1:]) if by_sign else None)
 
     def loss_and_grad(params, st: TrainState, batch: Batch):
+        # the model's causal masks assume the mesh's token order: a batch in another is
+        # refused while tracing (the order is static), never trained on wrong masks
+        check_order(batch, context_shards(mesh))
         n = num_micro_batches(config, batch.batch_size, mesh)
         adv = batch_advantages(config, batch)
         if n == 1:
@@ -391,23 +396,42 @@ def train_step_fn(
     return train_step
 
 
+class TrainStep:
+    """The jitted train step behind the token-order check (`parallel.context.check_order`):
+    jit's own complaint about a batch in another order would be a pytree-structure mismatch
+    with its in_shardings that names no fix. Called like the jitted function; `lower` too."""
+
+    def __init__(self, jitted: Any, context: int) -> None:
+        self.jitted, self.context = jitted, context
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        check_order(batch, self.context)
+        return self.jitted(state, batch)
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        check_order(batch, self.context)
+        return self.jitted.lower(state, batch)
+
+
 def make_train_step(
     config: ExperimentConfig, mesh: Mesh, state: TrainState, *, donate: bool = True
-) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+) -> TrainStep:
     """`train_step(state, batch) -> (state, metrics)` jitted with explicit shardings.
 
     `state` (concrete from `create_train_state`, or abstract from `abstract_train_state`)
     fixes the state shardings. The batch must be a global `Batch` whose row dimension is
     sharded over ("data", "fsdp") and `pair_index` replicated — `parallel.distributed.
-    global_batch(local_batch, mesh)` builds it from each host's rows. The input state is
-    donated (its buffers are reused): do not touch it after the call.
+    global_batch(local_batch, mesh)` builds it from each host's rows — in the mesh's token
+    order (`Batch.context_order`, which `global_batch` sets; another order raises
+    `parallel.context.BatchOrderError`). The input state is donated (its buffers are
+    reused): do not touch it after the call.
     """
     step = train_step_fn(config, mesh, state)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
+    return TrainStep(jax.jit(
         step,
         in_shardings=(state_shardings, batch_sharding_tree(mesh)),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,) if donate else (),
-    )
+    ), context_shards(mesh))

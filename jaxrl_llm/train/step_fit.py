@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from jaxrl_llm.config import ExperimentConfig
+from jaxrl_llm.data.batch import TOKEN_FIELDS, array_fields
 from jaxrl_llm.parallel.memory import (
     InsufficientMemory,
     ProgramMemory,
@@ -38,14 +39,12 @@ def largest_batch(batch: Any, max_seq_len: int) -> Any:
     length (length buckets: the longest bucket is the peak)."""
     if batch.inputs.shape[1] == max_seq_len:
         return batch
-    per_token = {"inputs", "targets", "positions", "segment_ids", "loss_mask",
-                 "behavior_logprobs", "mu_logprobs", "ref_logprobs"}
 
     def spec(name: str, x: Any) -> Any:
-        shape = (x.shape[0], max_seq_len) if name in per_token else x.shape
+        shape = (x.shape[0], max_seq_len) if name in TOKEN_FIELDS else x.shape
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
-    return batch.replace(**{n: spec(n, getattr(batch, n)) for n in batch.__dataclass_fields__})
+    return batch.replace(**{n: spec(n, getattr(batch, n)) for n in array_fields(batch)})
 
 
 def _checkpoint_copy(config: ExperimentConfig, memory: ProgramMemory) -> int:

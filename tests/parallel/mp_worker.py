@@ -28,6 +28,7 @@ def main() -> None:
     from flax import nnx
     from jax.experimental import multihost_utils
 
+    from jaxrl_llm.data.batch import array_fields
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.train.state import create_train_state
     from jaxrl_llm.train.step import make_train_step
@@ -44,7 +45,7 @@ def main() -> None:
     rows = process_row_slice(full.batch_size)
     local = full.replace(**{
         name: getattr(full, name)[rows]
-        for name in full.__dataclass_fields__ if name != "pair_index"
+        for name in array_fields(full) if name != "pair_index"
     })
     step = make_train_step(config, mesh, state)
     new_state, metrics = step(state, global_batch(local, mesh))
