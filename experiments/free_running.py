@@ -99,7 +99,8 @@ def run_probed(config: Any, probe: Callable[[Any], dict[str, float]], every: int
     """One run of `config` (serial or free), probed every `every` updates on a paused clock;
     its probe rows, the clock at the end and the loop's counters (module docstring)."""
     from jaxrl_llm.online.free import NO_END, free_rounds, rounds_ahead
-    from jaxrl_llm.online.pipeline import Feed, open_run, run_pipeline
+    from jaxrl_llm.online.pipeline import open_run, run_pipeline
+    from jaxrl_llm.online.sampler_side import Feed
 
     total = config.online.rounds * config.online.updates_per_round
     if total % every:

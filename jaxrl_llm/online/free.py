@@ -25,8 +25,9 @@ from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.lag import lag_metrics, side_seconds, token_lag_metrics
-from jaxrl_llm.online.pipeline import Feed, open_run
+from jaxrl_llm.online.pipeline import open_run
 from jaxrl_llm.online.rounds import mean_metrics, probe, probe_start, reward_metrics
+from jaxrl_llm.online.sampler_side import Feed
 
 NO_END = 2**62  # the sampler's last round: it samples until the trainer stops it
 

@@ -8,7 +8,7 @@ processes (or hosts) that share only the exchange directory (online/exchange.py)
   shard in round order (waiting up to `online.worker_timeout_s`), records its progress in
   `trainer.json` after each round and, after a checkpoint at round R, deletes the shards of
   rounds < R and the versions no round ≥ R samples with.
-- Worker K runs the in-memory pipeline's sampler side (`pipeline.SamplerSide`) on its own
+- Worker K runs the in-memory pipeline's sampler side (`sampler_side.SamplerSide`) on its own
   devices for the rounds r ≡ K (mod `online.workers`) that have no shard yet and that the
   trainer's checkpoint has not passed: deterministic, with θ_U(r) (waiting for it), so its
   shard is the serial loop's round; free, with the newest version, at most a bounded number
@@ -38,19 +38,12 @@ from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.exchange import Exchange, ExchangeError
 from jaxrl_llm.online.free import NO_END, free_counts, free_rounds, rounds_ahead
 from jaxrl_llm.online.lag import total_rounds, version_of
-from jaxrl_llm.online.pipeline import (
-    Opened,
-    Sampled,
-    SamplerSide,
-    open_run,
-    problems_of,
-    sampler_mu,
-    train_rounds,
-)
+from jaxrl_llm.online.pipeline import Opened, open_run, problems_of, train_rounds
 from jaxrl_llm.online.placement import Placement, check_placement
 from jaxrl_llm.online.rounds import sampling_seed
 from jaxrl_llm.online.run_identity import check_file_run, check_manifest, manifest_of
 from jaxrl_llm.online.sampler_shape import fixed_sampler_batch
+from jaxrl_llm.online.sampler_side import Sampled, SamplerSide, sampler_mu
 from jaxrl_llm.online.weight_parts import cast_for_sampling, expected_leaves, local_part
 from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.sampling.layout import sampling_dtype
@@ -143,7 +136,7 @@ class StorageTrainer(Opened):
 
 
 class StoredFeed:
-    """The trainer's rounds from the exchange, in order (`pipeline.Feed`'s interface)."""
+    """The trainer's rounds from the exchange, in order (`sampler_side.Feed`'s interface)."""
 
     def __init__(self, opened: StorageTrainer, first: int) -> None:
         self.opened, self.next, self.waited = opened, first, 0.0
@@ -237,7 +230,7 @@ class _Newer(Exception):
 
 
 class StoredWeights:
-    """`pipeline.Weights` for a worker: versions read from the exchange, assembled from every
+    """`sampler_side.Weights` for a worker: versions read from the exchange, assembled from every
     trainer process's part, straight into the worker's decode layout (`shardings`)."""
 
     def __init__(self, ex: Exchange, template: Any, shardings: Any,
@@ -263,7 +256,7 @@ class StoredWeights:
         return found[-1]
 
     def take_newest(self, after: int | None = None) -> tuple[int, Any] | None:
-        """`pipeline.Weights.take_newest`: the newest version on file and its weights."""
+        """`sampler_side.Weights.take_newest`: the newest version on file and its weights."""
         version = self.newest()
         if after is not None and version <= after:
             return None

@@ -74,7 +74,7 @@ def test_free_running_weights_hold_at_most_the_newest_and_the_one_sampling():
     faster than the sampler takes leaves at most two versions on the sampler's devices (the
     one sampling now and the newest), where the deterministic pipeline keeps every version a
     later round still needs."""
-    from jaxrl_llm.online.pipeline import Weights
+    from jaxrl_llm.online.sampler_side import Weights
 
     free, kept = Weights(newest_only=True), Weights()
     for w in (free, kept):
