@@ -29,6 +29,7 @@ from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.curation import apply_transform
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.data.signal import SignalWatch
 from jaxrl_llm.eval.during_training import eval_task
 from jaxrl_llm.eval.evaluate import evaluate_model
 from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
@@ -145,6 +146,7 @@ class Policy:
         self._said: set[str] = set()  # memory notes already printed (one per figure)
         self._score_fns: dict[float, Any] = {}
         self.sampler_batch: int | None = None
+        self._signal = SignalWatch(config)  # `step`'s learning-signal metrics and warning
 
     # -- the model ------------------------------------------------------------------------
     @property
@@ -297,14 +299,20 @@ class Policy:
         `jaxrl-llm train`. A `Batch` in another token order than the mesh's
         (`Batch.context_order`: a hand-built batch is in the natural order, a context-parallel
         mesh trains on the load-balanced one) is converted first. Returns its metrics on the
-        host."""
-        batch = records_or_batch
+        host; for records also `signal/raised` (records the loss raises) and `signal/none` (1
+        when it raises none: `data.signal`), with a warning line after
+        `data.signal.NO_SIGNAL_STREAK` such updates in a row unless `train.allow_no_signal`."""
+        batch, signal = records_or_batch, {}
         if isinstance(records_or_batch, Sequence):
             batch = self.batch(records_or_batch)
+            signal = self._signal.note(records_or_batch)  # what the loss can learn here
+            if self._signal.warning and jax.process_index() == 0:
+                print(self._signal.warning, file=sys.stderr)
         batch = batch_on_mesh(batch, self.mesh)
         step = cached_train_step(self.config, self.mesh, self.state)
         self.state, metrics = step(self.state, batch)  # the old state is donated
-        return {k: float(np.asarray(v)) for k, v in fetch_metrics(metrics).items()}
+        return {**{k: float(np.asarray(v)) for k, v in fetch_metrics(metrics).items()},
+                **signal}
 
     # -- evaluation and output ------------------------------------------------------------
     def evaluate(self, *, num_questions: int | None = None, n: int | None = None,

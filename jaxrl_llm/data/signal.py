@@ -142,3 +142,39 @@ def check_signal(config: Any, directory: str, *, refuse: bool) -> str | None:
                  f". `jaxrl-llm train` will refuse these records unless {ALLOW_KEY}=true. "
                  f"{how_to_get_positives()}")
     return f"warning: {text}"
+
+
+# Consecutive updates without a learning signal before an online run or `Policy.step` says so.
+NO_SIGNAL_STREAK = 3
+
+
+class SignalWatch:
+    """The learning signal of each update's batch, as online rounds and `Policy.step` train:
+    `note(records)` measures it (module docstring) and returns the step's metrics
+    (`signal/raised`, `signal/none`); `warning` is set once `NO_SIGNAL_STREAK` updates in a row
+    had nothing to learn (again after each signal), unless `train.allow_no_signal` says
+    that is intended. `jaxrl-llm train` refuses such records outright; a run that samples its
+    own can get positives later, so it trains on and says so."""
+
+    def __init__(self, config: Any) -> None:
+        self.loss, self.baseline = config.loss.name, float(config.loss.baseline)
+        self.rule = loss_spec(self.loss).positive
+        self.allowed = bool(config.train.allow_no_signal)
+        self.streak = 0
+        self.warning: str | None = None
+
+    def note(self, records: Any) -> dict[str, float]:
+        signal = measure(np.asarray([r.reward for r in records], np.float64),
+                         np.asarray([r.correct for r in records], bool),
+                         np.asarray([r.group_id for r in records]), rule=self.rule,
+                         baseline=self.baseline)
+        none = no_signal(signal)
+        self.streak = self.streak + 1 if none else 0
+        self.warning = None
+        if self.streak == NO_SIGNAL_STREAK and not self.allowed:
+            where = f"{self.streak} updates in a row had nothing to learn; the latest batch"
+            self.warning = (f"warning: {describe(signal, self.loss, self.baseline, where)}. "
+                            "Updates like these do not teach the task. "
+                            f"{how_to_get_positives()}; or set {ALLOW_KEY}=true to silence "
+                            "this")
+        return {"signal/raised": float(signal.raised), "signal/none": float(none)}
