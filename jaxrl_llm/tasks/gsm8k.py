@@ -54,8 +54,8 @@ def _final(marker: str, number: str) -> str:
 
 
 # The zero-shot prompt's one worked example: asked for "#### N" without one, the packaged
-# SmolLM2-135M-Instruct wrote the letter N, "A: 64" or nothing (README § Your own model and
-# data measures the wordings). Its question is no exemplar's, its answer is 2 + 3 = 5.
+# SmolLM2-135M-Instruct wrote the letter N, "A: 64" or nothing (docs/benchmarks.md § Zero-shot
+# GSM8K prompt wording measures the wordings). Its question is no exemplar's, its answer is 2 + 3 = 5.
 EXAMPLE_QUESTION = "Tom has 2 apples and buys 3 more. How many apples does he have?"
 EXAMPLE_STEPS, EXAMPLE_ANSWER = "Tom has 2 + 3 = 5 apples.", "5"
 

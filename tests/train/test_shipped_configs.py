@@ -88,18 +88,24 @@ def test_chain_check_catches_a_broken_link(tmp_path, monkeypatch):
     assert "reads runs/elsewhere but the curate stage writes" in problems[0]
 
 
-def test_readme_shows_the_v5e256_chain_verbatim():
-    readme = (ROOT / "README.md").read_text()
+def test_scale_page_shows_the_v5e256_chain_verbatim():
+    """docs/scale.md (the page the README's Scale section links) shows the v5e-256 config's
+    chain as its header states it, and every launcher line of the README and that page names a
+    shipped config with a documented chain."""
+    scale = (ROOT / "docs" / "scale.md").read_text()
     documented = [s.text for s in read_stages(ROOT / "configs"
                                               / "topr_gsm8k_llama3_8b_v5e256.yaml")]
-    lines = [line.split("  #")[0].strip() for line in readme.splitlines()]
+    lines = [line.split("  #")[0].strip() for line in scale.splitlines()]
     at = lines.index(documented[0])
     assert lines[at:at + len(documented)] == documented
-    # Every launcher line of the README names a shipped config with a documented chain.
-    for line in lines:
-        config = re.search(r"configs/\S+\.yaml", line)
-        if line.startswith(("launch/", "sbatch", "STAGES=")) and config:
-            assert read_stages(ROOT / config.group(0))
+    launchers = 0
+    for page in (ROOT / "README.md", ROOT / "docs" / "scale.md"):
+        for line in (line.split("  #")[0].strip() for line in page.read_text().splitlines()):
+            config = re.search(r"configs/\S+\.yaml", line)
+            if line.startswith(("launch/", "sbatch", "STAGES=")) and config:
+                assert read_stages(ROOT / config.group(0)), (page.name, line)
+                launchers += 1
+    assert launchers >= 5  # the pod, SLURM, local and pipeline launchers of docs/scale.md
 
 
 @pytest.mark.slow
