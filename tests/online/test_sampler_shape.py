@@ -21,6 +21,7 @@ from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.sampling import build
 from jaxrl_llm.train.checkpoint import Checkpointer
 from tests.online.helpers import final_arrays, tiny
+from tests.reliability import record
 
 ONLINE = {"staleness": 0, "mu_source": "sampler", "checkpoint_every": 1}
 
@@ -66,8 +67,25 @@ def _pressure(monkeypatch: pytest.MonkeyPatch, config: OnlineConfig, policy) -> 
     assert fits(low) == 1  # under this budget a fresh decision takes 1 prompt, not 2
 
 
+@pytest.mark.reliability
 def test_a_resume_under_memory_pressure_equals_the_run_without(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failures = 0
+    try:
+        _resume_under_pressure(tmp_path, monkeypatch)
+    except AssertionError:
+        failures = 1
+        raise
+    finally:
+        record("fault injection", "online: a resume under simulated memory pressure",
+               runs=1, failures=failures,
+               detail="round 1 with ample memory, then resumed with memory for 1 prompt per "
+               "sampler batch instead of 2 (a fresh decision takes 1): the checkpoint's "
+               "batch of 2 is kept and the final state equals the run without pressure bit "
+               "for bit, mu_source: sampler")
+
+
+def _resume_under_pressure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference = _run(tmp_path / "ref", 2)
     assert _recorded(tmp_path / "ref") == 2  # generate.batch_size: the memory was ample
     _run(tmp_path / "run", 1)  # round 1, then stopped

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrl_llm.online.exchange import Exchange
 from jaxrl_llm.online.remote import StoredWeights
 from jaxrl_llm.parallel.mesh import AxisSizes, make_mesh
 from jaxrl_llm.parallel.rules import state_shardings
+from tests.reliability import record
 
 MANIFEST = {"model": "m", "run_id": "r1", "about": {"name": "t", "run_dir": "run"}}
 
@@ -56,12 +58,26 @@ def test_a_restarted_trainer_s_version_is_reloaded_or_restamped(tmp_path):
     np.testing.assert_array_equal(np.asarray(kernel), np.full((2, 3), 3.0, np.float32))
 
 
+@pytest.mark.reliability
 def test_a_version_deleted_while_a_free_worker_reads_it_gives_the_newest(tmp_path):
-    """Issue 55 item 5: the free-running trainer keeps only its newest versions, so one can
-    vanish between the worker's existence check and its read. A deleting trainer (the delete
-    lands inside the read) makes the worker take the newest version instead of crashing."""
-    import pytest
+    """The free-running trainer keeps only its newest versions, so one can vanish between
+    the worker's existence check and its read. A deleting trainer (the delete lands inside
+    the read) makes the worker take the newest version instead of crashing."""
+    failures = 0
+    try:
+        _deleted_mid_read(tmp_path)
+    except AssertionError:
+        failures = 1
+        raise
+    finally:
+        record("fault injection", "online exchange (free-running): a weight version collected "
+               "while a worker reads it", runs=1, failures=failures,
+               detail="the trainer's garbage collection deletes θ_1 between the worker's "
+               "existence check and its read: the worker takes the newest (θ_2, its values "
+               "checked) instead of crashing; deterministic workers still refuse a missing θ_v")
 
+
+def _deleted_mid_read(tmp_path) -> None:
     from jaxrl_llm.online import remote
 
     ex = Exchange(str(tmp_path), timeout_s=5)
