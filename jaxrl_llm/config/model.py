@@ -83,7 +83,8 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None  # None: full fine-tuning
     # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU;
     # ring: with mesh.context > 1, keys/values passed round the context axis instead of
-    # all-gathered (models/ring.py; jnp math), else jnp.
+    # all-gathered (models/ring.py; jnp math, one ring step's scores live at a time, in the
+    # backward pass too: less memory than all-gather with jnp; splash keeps none), else jnp.
     attention: Literal["auto", "jnp", "xla", "cudnn", "splash", "ring"] = "auto"
 
     @model_validator(mode="before")

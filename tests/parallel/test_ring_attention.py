@@ -2,7 +2,8 @@
 `fsdp` 2: the same outputs and q/k/v gradients as the all-gather strategy and as unsplit
 attention on the original order (GQA, packed and padded rows, a sliding window, a logit
 soft-cap); its compiled program passes keys round the ring (collective-permute) and gathers
-none; a TOPR train step with it equals the unsharded step."""
+none; a TOPR train step with it equals the unsharded step and compiles to under 0.6× the
+all-gather step's temporary memory per device."""
 
 from __future__ import annotations
 
@@ -103,3 +104,28 @@ def test_ring_train_step_equals_unsharded():
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads),
                             jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_ring_train_step_needs_less_temporary_memory_than_all_gather(remat):
+    """What the ring is for, asserted from the compiler's own numbers: `plan` compiles the
+    project's TOPR train step on 8 fake CPU devices (fsdp 2 × context 4, 2,048-token rows)
+    with each strategy, and `memory_analysis()`'s temp bytes per device are well below the
+    all-gather strategy's. All-gather keeps each layer's float32 scores against the whole row
+    for the backward pass; the ring recomputes each step's (models/ring.py: a scan over the
+    steps, each `jax.checkpoint`ed), so one step's [heads, T/c, T/c] block is live at a time.
+    Measured: 36.3 MB against 93.0 MB (remat none), 24.0 MB against 56.7 MB (full); the
+    ring unrolled without the per-step remat needed 90.4 MB (none)."""
+    from jaxrl_llm.plan import make_plan
+
+    from .test_plan import ARCH, tree
+
+    temp = {}
+    for attention in ("jnp", "ring"):
+        model = {**ARCH, "attention": attention, "max_position_embeddings": 2048,
+                 "remat": remat, "scan_layers": remat != "none"}
+        config = config_from_dict({**tree(CONTEXT, {"platform": "cpu", "num_devices": 8}),
+                                   "model": model, "train": {"batch_size": 2, "max_seq_len": 2048}})
+        temp[attention] = make_plan(config).temp_bytes
+    print(f"temp bytes per device, remat {remat}: {temp}")
+    assert temp["ring"] < 0.6 * temp["jnp"], temp
