@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -128,6 +129,26 @@ class Record:
             value = getattr(self, f.name)
             out[f.name] = value.tolist() if isinstance(value, np.ndarray) else value
         return out
+
+
+def pack_batches(batches: Iterable[Sequence[Record]]) -> bytes:
+    """Batches of records as one msgpack payload, a list of lists of `Record.to_bytes` (every
+    field, metadata included): the exchange's round shards and the checkpointed staleness
+    queue."""
+    return msgpack.packb([[r.to_bytes() for r in b] for b in batches], use_bin_type=True)
+
+
+def unpack_batches(payload: bytes, *, where: str) -> list[list[Record]]:
+    """The batches `pack_batches` wrote, each record exactly as it was; `RecordError` naming
+    `where` (and the batch and record) for anything else."""
+    try:
+        rows = msgpack.unpackb(payload, raw=False)
+    except (msgpack.UnpackException, ValueError, TypeError) as err:
+        raise RecordError(f"{where}: not msgpack batches of records ({err})") from err
+    if not isinstance(rows, list) or not all(isinstance(b, list) for b in rows):
+        raise RecordError(f"{where}: expected a list of batches (lists of records)")
+    return [[Record.from_bytes(data, where=f"{where}[batch {b}, record {i}]")
+             for i, data in enumerate(batch)] for b, batch in enumerate(rows)]
 
 
 def validate_record(record: Record, *, where: str, vocab_size: int | None = None) -> None:

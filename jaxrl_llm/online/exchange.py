@@ -30,14 +30,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 from etils import epath
 
 from jaxrl_llm.core.atomic import atomic_write_bytes, atomic_write_text
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.paths import as_path
-from jaxrl_llm.data.records import Record, validate_record
+from jaxrl_llm.data.records import Record, pack_batches, unpack_batches, validate_record
 from jaxrl_llm.online.weight_parts import assemble
 
 POLL_S = 0.05  # how often a waiting side looks at the exchange again
@@ -216,22 +215,18 @@ class Exchange:
     # -- rounds ----------------------------------------------------------------------------
     def put_round(self, round_index: int, header: dict[str, Any],
                   batches: Sequence[Sequence[Record]]) -> None:
-        payload = msgpack.packb([[r.to_bytes() for r in b] for b in batches], use_bin_type=True)
-        write_blob(self.round_path(round_index), {"round": round_index, **header}, payload)
+        write_blob(self.round_path(round_index), {"round": round_index, **header},
+                   pack_batches(batches))
 
     def get_round(self, round_index: int, vocab_size: int | None
                   ) -> tuple[dict[str, Any], list[list[Record]]]:
         path = self.round_path(round_index)
         header, payload = read_blob(path, f"record shard of round {round_index}")
-        batches = []
-        for b, rows in enumerate(msgpack.unpackb(payload, raw=False)):
-            batch = []
-            for i, data in enumerate(rows):
-                where = f"{path}[batch {b}, record {i}]"
-                record = Record.from_bytes(data, where=where)
-                validate_record(record, where=where, vocab_size=vocab_size)
-                batch.append(record)
-            batches.append(batch)
+        batches = unpack_batches(payload, where=str(path))
+        for b, batch in enumerate(batches):
+            for i, record in enumerate(batch):
+                validate_record(record, where=f"{path}[batch {b}, record {i}]",
+                                vocab_size=vocab_size)
         return header, batches
 
     # -- garbage ---------------------------------------------------------------------------

@@ -13,9 +13,10 @@ Round i (0-based) of `online.rounds + ⌈staleness / updates_per_round⌉`:
    (online/queue.py); every batch the queue releases is one `train_step` update;
 5. metrics (reward, pass@k, loss metrics, μ mismatch, seconds per phase) to JSONL /
    TensorBoard / wandb, and a checkpoint every `online.checkpoint_every` rounds holding the
-   train state (params, optimizer, step, RNG) plus, in its JSON meta, the queue, the round
-   and the prompt position. A killed run re-run with the same command resumes from it and
-   ends in the same state as an uninterrupted one (sampling seeds derive from the round).
+   train state (params, optimizer, step, RNG), the queue's records (their own item) and, in
+   its JSON meta, the round and the prompt position. A killed run re-run with the same
+   command resumes from it and ends in the same state as an uninterrupted one (sampling seeds
+   derive from the round).
 
 Multi-host (docs/online.md § Multi-host): every process runs this loop on the same prompts
 with the same seeds over one global mesh; process 0's rewards are broadcast (`shared_rewards`)
@@ -40,7 +41,7 @@ from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
-from jaxrl_llm.online.queue import StalenessQueue
+from jaxrl_llm.online.queue import QUEUE_ITEM, StalenessQueue
 from jaxrl_llm.online.rounds import (
     k_for_round,
     logprob_mismatch,
@@ -138,13 +139,18 @@ class RunState:
 
     def meta(self) -> dict[str, Any]:
         return {"round": self.round, "prompt_position": self.position, "updates": self.updates,
-                "mu_source": self.mu_source, "queue": self.queue.to_json(),
-                "sampler_batch": self.sampler_batch}
+                "mu_source": self.mu_source, "sampler_batch": self.sampler_batch}
 
-    def load(self, meta: dict[str, Any]) -> None:
+    def blobs(self) -> dict[str, bytes]:
+        """The checkpoint's items beside the meta: the queued records (online/queue.py)."""
+        return {QUEUE_ITEM: self.queue.to_bytes()}
+
+    def load(self, meta: dict[str, Any], queue: bytes | None = None, *,
+             where: str = "checkpoint") -> None:
         self.round, self.position = int(meta["round"]), int(meta["prompt_position"])
         self.updates, self.mu_source = int(meta["updates"]), meta["mu_source"]
-        self.queue = StalenessQueue.from_json(self.queue.staleness, meta["queue"])
+        self.queue = StalenessQueue.from_checkpoint(self.queue.staleness, queue, meta,
+                                                    where=where)
         batch = meta.get("sampler_batch")  # absent: a checkpoint from before it was recorded
         self.sampler_batch = None if batch is None else int(batch)
 
@@ -162,7 +168,8 @@ def restore_run(policy: Policy, checkpointer: Any, run: RunState) -> None:
     """`policy`'s state and `run`'s position from the newest checkpoint (every mode's)."""
     step = checkpointer.latest_step()
     policy.state = restore_state(policy.state, str(checkpointer.directory), step=step)
-    run.load(checkpointer.read_meta(step)[ONLINE_META])
+    run.load(checkpointer.read_meta(step)[ONLINE_META], checkpointer.read_blob(QUEUE_ITEM, step),
+             where=str(checkpointer.directory / str(step) / QUEUE_ITEM))
 
 
 def round_mu(policy: Policy, config: OnlineConfig, run: RunState, records: list[Any]
@@ -293,7 +300,8 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
             stopped = stop.should_stop(run.round) and run.round < total_rounds
             if checkpointer.should_save(run.round) or run.round == total_rounds or stopped:
                 checkpointer.save(run.round, state_items(policy.state), force=True, meta={
-                    "config": experiment.model_dump(mode="json"), ONLINE_META: run.meta()})
+                    "config": experiment.model_dump(mode="json"), ONLINE_META: run.meta()},
+                    blobs=run.blobs())
                 saved = run.round
     finally:
         stop.uninstall()

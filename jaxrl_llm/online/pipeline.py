@@ -136,7 +136,7 @@ class Opened:
         self.run.queue = StalenessQueue(self.run.queue.staleness, pending)
         self.checkpointer.save(self.run.round, state_items(self.policy.state), force=True, meta={
             "config": self.experiment.model_dump(mode="json"),
-            loop.ONLINE_META: {**self.run.meta(), **extra}})
+            loop.ONLINE_META: {**self.run.meta(), **extra}}, blobs=self.run.blobs())
 
 
 def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened] = Opened

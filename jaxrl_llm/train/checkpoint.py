@@ -6,7 +6,11 @@ One checkpoint step directory holds three items, saved together by one `Checkpoi
   `StandardSave` — sharded arrays are written by every host in parallel (async by default);
 - `data`: the grain iterator position (`grain.checkpoint.CheckpointSave`), so a resumed run
   consumes exactly the records the uninterrupted run would have;
-- `meta`: JSON with the step, the resolved config and anything else the caller adds.
+- `meta`: JSON with the step, the resolved config and anything else the caller adds;
+
+and any `blobs` the caller adds, one item of bytes each (the online loop's queued records:
+online/queue.py), written by process 0 into the step's temporary directory like `meta`, so
+committed with the step or not at all.
 
 What it costs (docs/plan.md, "Disk"): `state` is the float32 parameters, AdamW's two float32 moments
 (4 + 4 + 4 = 12 bytes a parameter), the step and the RNG key, plus a frozen reference copy of
@@ -72,6 +76,32 @@ def _register_array_handler() -> None:
     else:
         GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, handler, override=True, ignore_warnings=True)
     _handler_registered = True
+
+
+class _BytesHandler(ocp.CheckpointHandler):
+    """One item of bytes: a file that process 0 writes into the item's directory (Orbax
+    creates it inside the step's temporary directory and commits it with the step)."""
+
+    FILE = "bytes"
+
+    def save(self, directory: epath.Path, args: BytesSave) -> None:
+        if jax.process_index() == 0:
+            (directory / self.FILE).write_bytes(args.data)
+
+    def restore(self, directory: epath.Path, args: BytesRestore | None = None) -> bytes:
+        return (directory / self.FILE).read_bytes()
+
+
+@ocp.args.register_with_handler(_BytesHandler, for_save=True)
+@dataclass
+class BytesSave(ocp.args.CheckpointArgs):
+    data: bytes
+
+
+@ocp.args.register_with_handler(_BytesHandler, for_restore=True)
+@dataclass
+class BytesRestore(ocp.args.CheckpointArgs):
+    pass
 
 
 @dataclass(frozen=True)
@@ -172,9 +202,11 @@ class Checkpointer:
         *,
         data_iterator: Any | None = None,
         meta: Mapping[str, Any] | None = None,
+        blobs: Mapping[str, bytes] | None = None,
         force: bool = False,
     ) -> bool:
-        """Start saving `state` (+ iterator position and JSON meta) as `step`.
+        """Start saving `state` (+ iterator position, JSON meta and `blobs`: items of bytes
+        by name, read back with `read_blob`) as `step`.
 
         Returns immediately after the device→host copy when async; `wait()` blocks until the
         write is committed. Returns False when the step is not due (and not forced) or is
@@ -193,6 +225,10 @@ class Checkpointer:
             meta_dict[PARAMS_DTYPE] = self.params_dtype
         json.dumps(meta_dict)  # fail here, naming nothing half-written, if meta is not JSON
         items[META] = ocp.args.JsonSave(meta_dict)
+        for name, data in (blobs or {}).items():
+            if name in (STATE, DATA, META):
+                raise ValueError(f"blob {name!r}: the name of a checkpoint's own item")
+            items[name] = BytesSave(bytes(data))
         return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
 
     def restore(
@@ -225,15 +261,27 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         return Restored(step=int(step), state=restored[STATE], meta=dict(restored[META]))
 
-    def read_meta(self, step: int | None = None) -> dict[str, Any]:
-        """Only the JSON meta (config, step) of a checkpoint, without touching the arrays."""
+    def _step(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        return step
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Only the JSON meta (config, step) of a checkpoint, without touching the arrays."""
         restored = self.manager.restore(
-            step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+            self._step(step), args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
         )
         return dict(restored[META])
+
+    def read_blob(self, name: str, step: int | None = None) -> bytes | None:
+        """The bytes `save(blobs={name: ...})` stored in `step` (default: the latest committed),
+        or None when that step was saved without them."""
+        step = self._step(step)
+        if not (self.directory / str(step) / name).exists():
+            return None
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{name: BytesRestore()}))
+        return restored[name]
 
     def wait(self) -> None:
         """Block until pending async saves are committed."""

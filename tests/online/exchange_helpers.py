@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from tests.faults.harness import TIMEOUT_S, command
-from tests.online.helpers import ROOT, final_arrays, metric_rows, tiny, write_yaml
+from tests.online.helpers import ROOT, final_arrays, metric_rows, saved_queue, tiny, write_yaml
 
 TIMING = ("time", "seconds_sampling", "seconds_scoring", "seconds_training")
 # staleness 2, 4 training rounds: 6 rounds, θ_0 … θ_3 sampled with
@@ -100,6 +100,7 @@ def assert_serial_equal(cwd: Path) -> list[dict]:
         workers = json.loads((cwd / "exchange/sampler.json").read_text())["sampler_batch"]
         assert metas[0].pop("sampler_batch") == workers and metas[1].pop("sampler_batch") is None
         assert metas[0] == metas[1]
+        assert saved_queue(cwd / "serial", step) == saved_queue(cwd / "run", step)  # the records
     rows = metric_rows(cwd / "run")
     assert comparable(metric_rows(cwd / "serial")) == comparable(rows)
     return rows

@@ -101,6 +101,18 @@ def final_arrays(run_dir: Path, step: int | None = None) -> tuple[int, dict[str,
     return restored.step, {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat}
 
 
+def saved_queue(run_dir: Path, step: int) -> bytes:
+    """Checkpoint `step`'s staleness queue item, as stored (online/queue.py: the record codec);
+    `StalenessQueue.from_bytes` reads it."""
+    from jaxrl_llm.online.queue import QUEUE_ITEM
+    from jaxrl_llm.train.checkpoint import Checkpointer
+
+    with Checkpointer(run_dir / "checkpoints", async_save=False) as ckpt:
+        payload = ckpt.read_blob(QUEUE_ITEM, step)
+    assert payload is not None, f"{run_dir} step {step}: no {QUEUE_ITEM} item"
+    return payload
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -27,7 +27,15 @@ from jaxrl_llm.online.loop import run_online
 from jaxrl_llm.online.pipeline import open_run, run_pipeline
 from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.parallel.mesh import make_mesh
-from tests.online.helpers import ROOT, final_arrays, metric_rows, solvable, tiny, write_yaml
+from tests.online.helpers import (
+    ROOT,
+    final_arrays,
+    metric_rows,
+    saved_queue,
+    solvable,
+    tiny,
+    write_yaml,
+)
 
 SERIES_TITLES = {stem: title for stem, title, _, _ in SERIES}
 TIMING = ("time", "seconds_sampling", "seconds_scoring", "seconds_training")
@@ -118,7 +126,9 @@ def test_pipeline_run_from_the_cli_equals_the_serial_loop_bit_for_bit(tmp_path: 
                 if not np.array_equal(v, mid[k])]
     meta = [json.loads((d / "checkpoints/4/meta/metadata").read_text())["online"]
             for d in (tmp_path / "serial", tmp_path / "cli/run")]
-    assert meta[0] == meta[1] and len(meta[0]["queue"]) == 2
+    queues = [saved_queue(d, 4) for d in (tmp_path / "serial", tmp_path / "cli/run")]
+    assert meta[0] == meta[1] and queues[0] == queues[1]  # the records, metadata too
+    assert len(StalenessQueue.from_bytes(2, queues[0], where="queue")) == 2
     serial_rows, rows = metric_rows(tmp_path / "serial"), metric_rows(tmp_path / "cli/run")
     # the serial loop's step-0 row (the initial weights' evaluation), then one row a round
     before, rows = rows[0], rows[1:]
@@ -377,7 +387,8 @@ def test_free_running_keeps_the_bound_and_accounts_for_every_sample(tmp_path: Pa
     assert sum(r["pipeline/dropped"] for r in rows) == rows[-1]["pipeline/dropped_total"]
     assert rows[-1]["pipeline/sampled_rounds"] * 8 == rows[-1]["pipeline/received_total"]
     meta = json.loads((tmp_path / "free/checkpoints/4/meta/metadata").read_text())["online"]
-    assert len(meta["versions"]) == len(meta["queue"]) == rows[-1]["pipeline/waiting"] / 8
+    queue = StalenessQueue.from_bytes(0, saved_queue(tmp_path / "free", 4), where="queue")
+    assert len(meta["versions"]) == len(queue) == rows[-1]["pipeline/waiting"] / 8
     assert all(0 <= v <= 4 for v in meta["versions"])
     assert (write_report(tmp_path / "free").parent / "pipeline_samples.png").is_file()
     # its checkpoint does not resume as the deterministic pipeline (rounds mean other things)

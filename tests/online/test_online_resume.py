@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxrl_llm.online.queue import StalenessQueue
 from tests.faults.harness import base_env, cli, interrupt, when
-from tests.online.helpers import final_arrays, metric_rows, tiny, write_yaml
+from tests.online.helpers import final_arrays, metric_rows, saved_queue, tiny, write_yaml
 from tests.reliability import record
 
 # Slow (two kill-and-resume runs, ~1 min): CI runs it in its reliability step.
@@ -55,9 +56,13 @@ def test_sigkill_then_same_command_gives_the_uninterrupted_state(tmp_path: Path,
     try:
         assert kill.landed and kill.returncode == -signal.SIGKILL, kill.describe()
         meta = tmp_path / "killed/run/checkpoints" / str(point) / "meta" / "metadata"
-        # the checkpoint resumed from holds the two batches waiting in the queue
-        queue = json.loads(meta.read_text())["online"]["queue"]
+        assert "queue" not in json.loads(meta.read_text())["online"]  # its own item
+        # the checkpoint resumed from holds the two batches waiting in the queue, whole
+        queue = StalenessQueue.from_bytes(2, saved_queue(tmp_path / "killed/run", point),
+                                          where="queue").batches()
         assert len(queue) == 2 and all(len(batch) == 8 for batch in queue)
+        assert all(r.task == "arithmetic" and r.prompt_text and r.metadata.get("problem_id")
+                   for batch in queue for r in batch)
         cli(args, cwd=tmp_path / "killed", env=env)
         step_a, whole = final_arrays(tmp_path / "whole" / "run")
         step_b, resumed = final_arrays(tmp_path / "killed" / "run")

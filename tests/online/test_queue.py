@@ -55,6 +55,83 @@ def test_queue_json_roundtrip_is_exact() -> None:
         StalenessQueue(1, [[r]]).pop()
 
 
+def _whole_records() -> list[Record]:
+    """Records with every field set the way the online loop sets them, in-flight
+    `weight_versions` included (and some fields None)."""
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(3):
+        c = 4 + i
+        lp = -rng.random(c).astype(np.float32)
+        out.append(Record(
+            prompt_ids=rng.integers(0, 100, 5), completion_ids=rng.integers(0, 100, c),
+            reward=float(rng.normal()), raw_reward=None if i == 2 else 1.0, correct=i == 0,
+            invalid=i == 1, group_id=i // 2, task="gsm8k", behavior_logprobs=lp,
+            raw_logprobs=lp * 1.5, mu_logprobs=None if i == 1 else lp / 3,
+            ref_logprobs=lp / 7 if i == 0 else None, answer=None if i else "42",
+            prompt_text="Q: 6 × 7?", completion_text="é 42",
+            metadata={"problem_id": f"p{i}", "finish_reason": "stop", "score": 0.25,
+                      "weight_versions": [[3, 0], [4, 2]]}))
+    return out
+
+
+def test_queue_bytes_roundtrip_is_bit_for_bit_with_metadata() -> None:
+    records = _whole_records()
+    q = StalenessQueue(2, [records[:2], records[2:], []])
+    back = StalenessQueue.from_bytes(2, q.to_bytes(), where="queue")
+    assert [len(b) for b in back.batches()] == [2, 1, 0]
+    got = [r for b in back.batches() for r in b]
+    # every field, dtypes, None and metadata included: the record codec's bytes are equal
+    assert [r.to_bytes() for r in got] == [r.to_bytes() for r in records]
+    assert got[0].metadata["weight_versions"] == [[3, 0], [4, 2]]
+    assert got[0].completion_text == "é 42" and got[1].mu_logprobs is None
+    assert got[2].behavior_logprobs.dtype == np.float32 and back.to_bytes() == q.to_bytes()
+
+
+def test_queue_survives_a_checkpoint_and_old_json_checkpoints_still_resume(tmp_path) -> None:
+    """The queue is its own item of the checkpoint step (record codec, metadata kept); a
+    checkpoint from before it (the JSON lists in the online meta) resumes as it did."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.online.loop import ONLINE_META, RunState
+    from jaxrl_llm.online.queue import QUEUE_ITEM
+    from jaxrl_llm.train.checkpoint import Checkpointer
+
+    records = _whole_records()
+    run = RunState(1)
+    run.round, run.position, run.updates, run.mu_source = 3, 6, 2, "sampler"
+    run.queue = StalenessQueue(1, [records[:2], records[2:]])
+    old = {**run.meta(), "queue": run.queue.to_json()}  # the format before QUEUE_ITEM
+    with Checkpointer(tmp_path / "ckpt", async_save=False, keep=5) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(2)}, force=True, meta={ONLINE_META: run.meta()},
+                  blobs=run.blobs())
+        ckpt.save(2, {"w": jnp.ones(2)}, force=True, meta={ONLINE_META: old})
+        ckpt.save(3, {"w": jnp.ones(2)}, force=True, meta={ONLINE_META: run.meta()})
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        assert "queue" not in ckpt.read_meta(1)[ONLINE_META]
+        loaded = []
+        for step in (1, 2, 3):
+            resumed = RunState(1)
+            meta, payload = ckpt.read_meta(step)[ONLINE_META], ckpt.read_blob(QUEUE_ITEM, step)
+            if step == 3:  # neither format: refused, naming the step
+                with pytest.raises(ValueError, match="holds no staleness queue"):
+                    resumed.load(meta, payload, where=f"step {step}")
+                continue
+            resumed.load(meta, payload)
+            assert (resumed.round, resumed.position, resumed.updates) == (3, 6, 2)
+            loaded.append([r for b in resumed.queue.batches() for r in b])
+    assert [r.to_bytes() for r in loaded[0]] == [r.to_bytes() for r in records]
+    # the JSON queue: what training reads, exactly (it never held the text or metadata)
+    for got, want in zip(loaded[1], records, strict=True):
+        for name in ("prompt_ids", "completion_ids", "behavior_logprobs", "raw_logprobs",
+                     "mu_logprobs"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or np.array_equal(a, b), name
+        assert (got.reward, got.raw_reward, got.group_id) == (want.reward, want.raw_reward,
+                                                               want.group_id)
+        assert got.metadata == {}
+
+
 def test_round_helpers() -> None:
     assert prompt_slice(14, 4, 16) == [14, 15, 0, 1]
     assert [k_for_round([8, 4, 1], None, i) for i in range(5)] == [8, 4, 1, 1, 1]

@@ -107,6 +107,55 @@ def test_kill_during_async_save_keeps_previous_checkpoint(tmp_path):
     ckpt.close()
 
 
+BLOB_KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import jax.numpy as jnp
+    from jaxrl_llm.train import checkpoint
+    from jaxrl_llm.train.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(sys.argv[1], save_every=1, keep=5, async_save=sys.argv[3] == "async")
+    ckpt.save(1, {"w": jnp.full((256, 256), 1.0)}, meta={"q": 1}, blobs={"queue": b"one"})
+    ckpt.wait()
+    write = checkpoint._BytesHandler.save
+
+    def killed(self, directory, args):  # the state's save has begun; the queue's now
+        if sys.argv[2] == "after":
+            write(self, directory, args)
+        print("SAVING", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint._BytesHandler.save = killed
+    ckpt.save(2, {"w": jnp.full((256, 256), 2.0)}, meta={"q": 2}, blobs={"queue": b"two"})
+    ckpt.wait()
+    """
+)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_while_saving_a_blob_resumes_the_previous_step_whole(tmp_path, when, mode):
+    """A `blobs` item (the online loop's queue) is committed with its step's state: a kill
+    before or after its bytes are written, the state's save under way, leaves step 1's state,
+    meta and blob, never step 1's state with step 2's queue."""
+    directory = tmp_path / "ckpt"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, "-c", BLOB_KILL_SCRIPT, str(directory), when, mode],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL and "SAVING" in proc.stdout, proc.stderr[-2000:]
+    with Checkpointer(directory, save_every=1) as ckpt:
+        assert ckpt.all_steps() == [1]
+        restored = ckpt.restore(abstract_like({"w": jnp.zeros((256, 256))}))
+        np.testing.assert_array_equal(np.asarray(restored.state["w"]), 1.0)
+        assert restored.meta["q"] == 1 and ckpt.read_blob("queue") == b"one"
+        # a step saved without blobs has none; their names cannot shadow the step's own items
+        assert ckpt.save(2, {"w": jnp.zeros(2)})
+        ckpt.wait()
+        assert ckpt.read_blob("queue", 2) is None
+        with pytest.raises(ValueError, match="checkpoint's own item"):
+            ckpt.save(3, {"w": jnp.zeros(2)}, blobs={"meta": b""})
+
+
 def mesh(shape: tuple[int, int, int]) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
 
