@@ -18,6 +18,11 @@ Round i (0-based) of `online.rounds + ⌈staleness / updates_per_round⌉`:
    command resumes from it and ends in the same state as an uninterrupted one (sampling seeds
    derive from the round).
 
+This module holds the round's pieces every mode shares (the config checks, `RunState` and its
+checkpoint meta, μ, `shared_rewards`); `run_online` runs the one rounds driver,
+`pipeline.train_rounds`, with the sampler on this policy (`pipeline.run_serial`): the
+pipelines, free-running and the storage trainer run the same driver with other placements.
+
 Multi-host (docs/online.md § Multi-host): every process runs this loop on the same prompts
 with the same seeds over one global mesh; process 0's rewards are broadcast (`shared_rewards`)
 and process 0 alone writes metrics and the checkpoint's JSON meta (Orbax's JSON handler).
@@ -25,8 +30,6 @@ and process 0 alone writes metrics and the checkpoint's JSON meta (Orbax's JSON 
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,30 +38,17 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrl_llm.api import Policy, load_policy, restore_state, transform_rewards
+from jaxrl_llm.api import Policy, restore_state
 from jaxrl_llm.config import ConfigError, ExperimentConfig
-from jaxrl_llm.core.paths import as_path
-from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.queue import QUEUE_ITEM, StalenessQueue
 from jaxrl_llm.online.rounds import (
     k_for_round,
     logprob_mismatch,
-    mean_metrics,
-    probe,
-    probe_start,
-    prompt_slice,
-    reward_metrics,
-    sampling_seed,
-    split_batches,
 )
 from jaxrl_llm.online.sampler_shape import fixed_sampler_batch
-from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
-from jaxrl_llm.train.metrics_log import MetricsLogger
-from jaxrl_llm.train.preemption import StopSync
 from jaxrl_llm.train.preflight import check_rows_fit_model
-from jaxrl_llm.train.state_items import state_items
 
 ONLINE_META = "online"
 
@@ -233,82 +223,9 @@ def run_online(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
                           "own devices: run it with jaxrl_llm.online.pipeline.run_pipeline "
                           "(`jaxrl-llm online` does)")
 
-    check_config(config)
-    o, g, d = config.online, config.generate, config.data
-    experiment = experiment_of(config)
-    policy = load_policy(config=experiment, mesh=mesh)
-    problems = policy.task.load(split=g.split, num=d.num_prompts, seed=config.seed)
-    total_updates = o.rounds * o.updates_per_round
-    total_rounds = o.rounds + math.ceil(o.staleness / o.updates_per_round)
-    run = RunState(o.staleness)
-    checkpointer = Checkpointer(as_path(config.run_dir) / CHECKPOINT_DIR, save_every=o.checkpoint_every,
-                                keep=config.train.keep_checkpoints, async_save=False,
-                                params_dtype=config.train.checkpoint_dtype)
-    if checkpointer.latest_step() is not None:
-        restore_run(policy, checkpointer, run)
-    run.fix_sampler_batch(config, policy, problems)
-    lead = jax.process_index() == 0
-    logger = MetricsLogger(config.run_dir, resume_step=run.round, enabled=lead,
-                           wandb=config.metrics, run_name=config.name,
-                           run_config=config.model_dump(mode="json"))
-    bar = progress_bar(total_rounds, desc="online", unit="round", enabled=progress and lead,
-                       initial=run.round)
-    last: dict[str, Any] = {}
-    # every process stops after the same round (train/preemption.py)
-    stop = StopSync(what="the current round and its checkpoint")
-    stop.install()
-    stopped, saved = False, checkpointer.latest_step()
-    try:
-        numbers = probe_start(eval_hook, eval_at_start, policy, run.round, total_updates)
-        if numbers:  # none when a Ctrl-C stopped it: no empty row
-            last = logger.log(0, numbers)
-        while run.round < total_rounds and not stopped:
-            t0 = time.perf_counter()
-            picked = [problems[i] for i in prompt_slice(run.position, o.prompts_per_round,
-                                                        len(problems))]
-            records = policy.rollout(picked, n=g.n, seed=sampling_seed(config.seed, run.round),
-                                     group_offset=run.round * o.prompts_per_round)
-            records = shared_rewards(records)
-            t1 = time.perf_counter()
-            metrics = reward_metrics(records, g.n, o.pass_k)
-            records, mismatch = round_mu(policy, config, run, records)
-            t2 = time.perf_counter()
-            k = k_for_round(o.pkpo_k, d.pkpo_k, run.round)
-            records = transform_rewards(records, d.group_transform, k=k)
-            for batch in split_batches(records, o.updates_per_round):
-                run.queue.push(batch)
-            steps = []
-            while run.queue.ready() and run.updates < total_updates:
-                steps.append(policy.step(run.queue.pop()))
-                run.updates += 1
-            t3 = time.perf_counter()
-            run.round += 1
-            run.position = (run.position + o.prompts_per_round) % len(problems)
-            metrics.update(mismatch)
-            metrics.update(mean_metrics(steps))
-            metrics.update(probe(eval_hook, eval_every, policy, run.updates - len(steps),
-                                 run.updates, total_updates))
-            metrics.update(updates=run.updates, round_updates=len(steps), queued=len(run.queue),
-                           mu_from_sampler=float(run.mu_source == "sampler"),
-                           seconds_sampling=t1 - t0, seconds_scoring=t2 - t1,
-                           seconds_training=t3 - t2, **({"pkpo_k": k} if k else {}))
-            last = logger.log(run.round, metrics)
-            # The postfix first, without a redraw: one line per round in a log.
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", updates=run.updates,
-                            refresh=False)
-            bar.update(1)
-            stopped = stop.should_stop(run.round) and run.round < total_rounds
-            if checkpointer.should_save(run.round) or run.round == total_rounds or stopped:
-                checkpointer.save(run.round, state_items(policy.state), force=True, meta={
-                    "config": experiment.model_dump(mode="json"), ONLINE_META: run.meta()},
-                    blobs=run.blobs())
-                saved = run.round
-    finally:
-        stop.uninstall()
-        bar.close()
-        logger.close()
-        checkpointer.close()
-    return OnlineResult(
-        rounds=run.round, updates=run.updates, last=last, policy=policy, stopped=stopped,
-        stop_signal=stop.signum if stopped else None,
-        checkpoint=None if saved is None else str(checkpointer.directory / str(saved)))
+    # The one rounds driver (pipeline.train_rounds) with the sampler on this policy; imported
+    # here because the pipeline builds on this module's pieces (RunState, round_mu, ...).
+    from jaxrl_llm.online.pipeline import run_serial
+
+    return run_serial(config, progress=progress, mesh=mesh, eval_hook=eval_hook,
+                      eval_every=eval_every, eval_at_start=eval_at_start)

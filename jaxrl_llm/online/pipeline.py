@@ -44,7 +44,14 @@ from jaxrl_llm.online.rounds import (
     probe_start,
 )
 from jaxrl_llm.online.sampler_shape import IN_FLIGHT_VERSIONS
-from jaxrl_llm.online.sampler_side import Feed, Sampled, SamplerSide, Weights, sampler_mu
+from jaxrl_llm.online.sampler_side import (
+    Feed,
+    LiveWeights,
+    Sampled,
+    SamplerSide,
+    Weights,
+    sampler_mu,
+)
 from jaxrl_llm.sampling.layout import sampling_dtype
 from jaxrl_llm.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxrl_llm.train.metrics_log import MetricsLogger
@@ -77,8 +84,11 @@ class Opened:
 
     def publish(self) -> float:
         """θ_updates onto the sampler's devices, in its decode layout and sampling dtype (the
-        copy it decodes with); the trainer's pause in seconds."""
+        copy it decodes with); the trainer's pause in seconds. The serial loop's sampler
+        shares the trainer's state (`LiveWeights`): nothing to copy."""
         t0 = time.perf_counter()
+        if self.weights.live:
+            return 0.0
         state = self.policy.state
         if self._decode is None:
             model = self.policy.model
@@ -139,16 +149,17 @@ class Opened:
             loop.ONLINE_META: {**self.run.meta(), **extra}}, blobs=self.run.blobs())
 
 
-def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened] = Opened
-             ) -> Opened:
+def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened] = Opened,
+             mesh: Any = None) -> Opened:
     """Checks (before any model is loaded), placement, policy, restore, and the sampler side
-    (`sampler`; none for the storage trainer, whose samplers are other processes)."""
+    (`sampler`; none for the storage trainer, whose samplers are other processes). `mesh`:
+    the serial loop's (the trainer's and its sampler's; default: `mesh:` over every device)."""
     if sampler and config.online.exchange:
         raise ConfigError(f"online.exchange={config.online.exchange}: the sampler runs in "
                           "worker processes; run each side with `jaxrl-llm online --role "
                           "trainer` / `--role worker --worker K` (online.remote)")
     loop.check_config(config)
-    placement = make_placement(config)
+    placement = make_placement(config) if mesh is None else Placement(mesh, mesh)
     o = config.online
     experiment = loop.experiment_of(config)
     policy = load_policy(config=experiment, mesh=placement.trainer)
@@ -169,7 +180,8 @@ def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened]
 
     if not sampler:
         return opened(config, experiment, placement, policy, run, meta, checkpointer, None, None)
-    weights = Weights(newest_only=config.online.pipeline == "free")
+    weights: Any = (Weights(newest_only=config.online.pipeline == "free")
+                    if wants_pipeline(config) else LiveWeights(policy))
     problems = problems_of(config, policy)
     side = SamplerSide(config, policy, placement, problems, weights,
                        mu_source=run.mu_source, mu=sampler_mu(config))
@@ -183,6 +195,19 @@ def problems_of(config: OnlineConfig, policy: Policy) -> list[Any]:
     """The prompt pool the rounds draw from (the serial loop's)."""
     g, d = config.generate, config.data
     return policy.task.load(split=g.split, num=d.num_prompts, seed=config.seed)
+
+
+def run_serial(config: OnlineConfig, *, progress: bool = True, mesh: Any = None,
+               eval_hook: Any = None, eval_every: int = 0, eval_at_start: bool = False) -> Any:
+    """`loop.run_online`: the rounds driver (`train_rounds`) with the sampler on the trainer's
+    own policy and devices, each round sampled before its updates."""
+    opened = open_run(config, mesh=mesh)
+    run, side = opened.run, opened.side
+    assert side is not None
+    return train_rounds(opened, lambda: Feed(side, run.round, total_rounds(config), run.position,
+                                             overlap=False),
+                        progress=progress, eval_hook=eval_hook, eval_every=eval_every,
+                        eval_at_start=eval_at_start)
 
 
 def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
@@ -207,10 +232,14 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
 def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool,
                  eval_hook: Any = None, eval_every: int = 0, eval_at_start: bool = False
                  ) -> Any:
-    """The trainer's side of the deterministic pipeline: update u trains on batch u from
+    """The rounds driver of every mode but free-running: update u trains on batch u from
     `make_feed()` (rounds in order: `get()`, `next`, `waited`, `close()`), and θ_v is
     published (`opened.publish`) right after the update that made it when a round samples
-    with it; rows and checkpoints as the serial loop's."""
+    with it. Stop points, evaluation, checkpoints, rows and progress lines are written here
+    once. The serial loop (`run_serial`: the sampler shares the trainer's state) samples each
+    round before its updates and writes no `pipeline/*` columns; the pipelines (the sampler
+    thread, or storage) take a round's samples after its updates, so both overlap."""
+    serial = opened.weights is not None and opened.weights.live
     config = opened.config
     o = config.online
     policy, run, checkpointer = opened.policy, opened.run, opened.checkpointer
@@ -225,9 +254,19 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
             syncs.append(opened.publish())
 
     logger = opened.logger()
-    bar = progress_bar(total_updates, desc="trainer", unit="update",
-                       enabled=progress and jax.process_index() == 0, initial=run.updates)
+    lead = progress and jax.process_index() == 0
+    bar = (progress_bar(last_round, desc="online", unit="round", enabled=lead, initial=run.round)
+           if serial else progress_bar(total_updates, desc="trainer", unit="update",
+                                       enabled=lead, initial=run.updates))
     sampled: dict[int, Sampled] = {}
+
+    def take_round() -> None:
+        """This round's samples (its row and checkpoint need them)."""
+        while feed.next <= run.round:
+            done = feed.get()
+            sampled[done.round] = done
+            pending.extend(done.batches)
+
     last: dict[str, Any] = {}
     feed = None
     try:
@@ -242,6 +281,8 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
             t_round = time.perf_counter()
             waited = feed.waited
             steps, lags, busy = [], [], 0.0
+            if serial:  # with θ_{U(r)}, the trainer's state now
+                take_round()
             end = version_of(config, run.round + 1)
             while run.updates < end:
                 while not pending:
@@ -253,12 +294,10 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
                 busy += time.perf_counter() - t0
                 lags.append(run.updates - version_of(config, run.updates // o.updates_per_round))
                 run.updates += 1
-                bar.update(1)
+                if not serial:
+                    bar.update(1)
                 publish()
-            while feed.next <= run.round:  # this round's samples: its row and checkpoint
-                done = feed.get()
-                sampled[done.round] = done
-                pending.extend(done.batches)
+            take_round()
             this = sampled.pop(run.round)
             run.round, run.position, run.mu_source = this.round + 1, this.position, this.mu_source
             metrics = dict(this.metrics)
@@ -276,10 +315,18 @@ def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool
                                           syncs=syncs),
                            **{"pipeline/version": float(this.version),
                               "pipeline/round_s": time.perf_counter() - t_round})
+            if serial:  # one program, one device set: no pipeline columns
+                metrics = {k: v for k, v in metrics.items() if not k.startswith("pipeline/")}
             last = logger.log(run.round, metrics)
             syncs.clear()
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round,
-                            refresh=False)  # no second line for this count (a log)
+            # the postfix first, without a redraw: one line per count in a log
+            if serial:
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", updates=run.updates,
+                                refresh=False)
+                bar.update(1)
+            else:
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round,
+                                refresh=False)
             stopped = opened.should_stop(last_round)
             saved = checkpointer.should_save(run.round) or run.round == last_round or stopped
             if saved:

@@ -54,6 +54,8 @@ class Weights:
     (free-running): a put also drops every older version but the one last taken (sampling
     now), so at most two versions are ever held, however far the trainer runs ahead."""
 
+    live = False  # the sampler holds copies (`LiveWeights`: it shares the trainer's)
+
     def __init__(self, newest_only: bool = False) -> None:
         self._cond = threading.Condition()
         self._versions: dict[int, Any] = {}
@@ -109,6 +111,32 @@ class Weights:
             self._cond.notify_all()
 
 
+class LiveWeights:
+    """`Weights` of a sampler that shares the trainer's policy and devices (the serial loop,
+    `online.pipeline: off` without `online.sampler_devices`): every version it takes is the
+    trainer's current state, which the rounds' order makes the one it needs (`train_rounds`
+    samples a round before its updates); nothing is ever copied."""
+
+    live = True
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def put(self, version: int, weights: Any) -> None:
+        del version, weights  # never called: `Opened.publish` copies nothing for it
+
+    def take(self, version: int) -> Any:
+        del version
+        return self.policy.state.params, self.policy.state.model_state
+
+    def take_newest(self, after: int | None = None) -> tuple[int, Any] | None:
+        version = self.policy.updates
+        return None if after is not None and version <= after else (version, self.take(version))
+
+    def close(self) -> None:
+        pass
+
+
 class _Stopped(Exception):
     """The trainer stopped (finished, failed or interrupted): the sampler side ends."""
 
@@ -117,12 +145,15 @@ class SamplerSide:
     """The serial round's first half (sample, reward, μ, transform) on the sampler's devices."""
 
     def __init__(self, config: OnlineConfig, policy: Policy, placement: Placement,
-                 problems: list[Any], weights: Weights, *, mu_source: str | None,
+                 problems: list[Any], weights: Any, *, mu_source: str | None,
                  mu: Callable[..., Any]) -> None:
         self.config, self.problems, self.weights, self._mu = config, problems, weights, mu
-        # the sampler's own Policy: the trainer's model on the sampler's mesh, no optimizer
-        template = policy.state.replace(opt_state=None, ref_params=None, step=None, rng=None)
-        self.policy = Policy(policy.config, template, policy.tokenizer, placement.sampler)
+        if getattr(weights, "live", False):  # the serial loop: the trainer's own policy
+            self.policy = policy
+        else:  # the trainer's model on the sampler's mesh, no optimizer
+            template = policy.state.replace(opt_state=None, ref_params=None, step=None,
+                                            rng=None)
+            self.policy = Policy(policy.config, template, policy.tokenizer, placement.sampler)
         self.mu_source = mu_source
         self.bar: Any = None
         self.free = False  # free-running: sample with the newest weights, not θ_U(r)
@@ -152,6 +183,7 @@ class SamplerSide:
                                       **(self._in_flight(version, swaps) if o.inflight_weights
                                          else {}),
                                       **({"on_segment": self._check_stop} if self.stop else {}))
+        records = loop.shared_rewards(records)  # multi-host: process 0's verdicts
         t2 = time.perf_counter()
         metrics = reward_metrics(records, g.n, o.pass_k)
         records, mismatch = self._mu(self, records)
