@@ -166,9 +166,9 @@ def exchange_sides(name: str, dtype: str, placement: Any, model: Any, params: An
     import jax.numpy as jnp
 
     from jaxrl_llm.api import Policy
-    from jaxrl_llm.online import loop
     from jaxrl_llm.online.exchange import Exchange
     from jaxrl_llm.online.remote import StorageTrainer, StoredWeights
+    from jaxrl_llm.online.run_state import RunState
     from jaxrl_llm.sampling.layout import sampling_dtype
     from jaxrl_llm.train.state import TrainState
 
@@ -183,7 +183,7 @@ def exchange_sides(name: str, dtype: str, placement: Any, model: Any, params: An
                            param_dtypes=())
         return Policy(config, state, None, placement.trainer)
     trainer = StorageTrainer(config=config, experiment=None, placement=placement,
-                             policy=policy(params, rest), run=loop.RunState(0), meta={},
+                             policy=policy(params, rest), run=RunState(0), meta={},
                              checkpointer=None, side=None, weights=None, ex=ex,
                              manifest=manifest, dtype=sampling, incarnation="benchmark")
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, rest))

@@ -19,14 +19,13 @@ import time
 from collections import deque
 from typing import Any
 
-import jax
-
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.online.config import OnlineConfig
+from jaxrl_llm.online.driver import drive
 from jaxrl_llm.online.lag import lag_metrics, side_seconds, token_lag_metrics
 from jaxrl_llm.online.pipeline import open_run
-from jaxrl_llm.online.rounds import mean_metrics, probe, probe_start, reward_metrics
+from jaxrl_llm.online.rounds import mean_metrics, reward_metrics
 from jaxrl_llm.online.sampler_side import Feed
 
 NO_END = 2**62  # the sampler's last round: it samples until the trainer stops it
@@ -34,7 +33,7 @@ NO_END = 2**62  # the sampler's last round: it samples until the trainer stops i
 
 def run_free(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
              eval_every: int = 0, eval_at_start: bool = False) -> Any:
-    """The free-running loop (module docstring) of `config`; `loop.OnlineResult`."""
+    """The free-running loop (module docstring) of `config`; `run_state.OnlineResult`."""
     if config.online.pipeline != "free":
         raise ValueError(f"online.pipeline={config.online.pipeline}: run_free runs "
                          "online.pipeline: free (pipeline.run_pipeline runs the others)")
@@ -66,94 +65,92 @@ def free_counts(meta: dict[str, Any]) -> dict[str, int]:
 
 def free_rounds(opened: Any, make_feed: Any, *, progress: bool, eval_hook: Any = None,
                 eval_every: int = 0, eval_at_start: bool = False) -> Any:
-    """The free-running trainer (module docstring) over `make_feed()`'s rounds, publishing
-    after every update (`opened.publish`). `eval_hook` runs on the trainer's clock, as in
-    the other modes: before the first update (`eval_at_start`), whenever a round's updates
-    reach a new multiple of `eval_every`, and after the last (the sampler keeps sampling
-    meanwhile, bounded by `online.max_staleness`)."""
-    if eval_hook is not None and eval_every <= 0:
-        raise ValueError(f"eval_every={eval_every}: an eval_hook needs eval_every > 0")
-    config = opened.config
-    o, g = config.online, config.generate
-    policy, run, checkpointer = opened.policy, opened.run, opened.checkpointer
-    total_updates = o.rounds * o.updates_per_round
-    batch = config.train.batch_size
-    versions = opened.meta.get("versions", [])
-    pending: deque[tuple[int | None, list[Record]]] = deque(zip(versions, run.queue.batches(), strict=True))
-    counts = free_counts(opened.meta)
-    logger = opened.logger()
-    bar = progress_bar(total_updates, desc="trainer", unit="update",
-                       enabled=progress and jax.process_index() == 0, initial=run.updates)
-    last: dict[str, Any] = {}
-    feed = None
-    try:
-        opened.watch_signals()
-        numbers = probe_start(eval_hook, eval_at_start, policy, run.round, total_updates)
-        if numbers:  # the step-0 row: the initial weights
-            last = logger.log(0, numbers)
-        syncs = [opened.publish()]
-        feed = make_feed()
-        while run.round < o.rounds:
-            waited = feed.waited
-            steps, lags, trained, dropped, busy = [], [], [], 0, 0.0
-            sampler = {"sampler_busy": 0.0, "sampler_wait": 0.0}
-            inflight = {"inflight_swaps": 0.0, "inflight_swap_s": 0.0}
-            by_update: list[tuple[int, list[Record]]] = []
-            for _ in range(o.updates_per_round):
-                while True:
-                    while not pending:
-                        done = feed.get()
-                        pending.extend((done.version, b) for b in done.batches)
-                        counts["received_total"] += sum(map(len, done.batches))
-                        counts["sampled_rounds"] = done.round + 1
-                        run.position, run.mu_source = done.position, done.mu_source
-                        for key in sampler:
-                            sampler[key] += done.seconds[key]
-                        for key in inflight:
-                            inflight[key] += done.seconds.get(key, 0.0)
-                    version, records = pending.popleft()
-                    if version is not None and run.updates - version <= o.max_staleness:
-                        break
-                    dropped += len(records)  # too old for the bound, or lost: never trained
-                t0 = time.perf_counter()
-                steps.append(policy.step(records))
-                busy += time.perf_counter() - t0
-                lags.append(run.updates - version)
-                trained.extend(records)
-                by_update.append((run.updates, records))
-                run.updates += 1
-                bar.update(1)
-                syncs.append(opened.publish())
-            run.round += 1
-            counts["trained_total"] += len(trained)
-            counts["dropped_total"] += dropped
-            metrics = reward_metrics(trained, g.n, o.pass_k)
-            metrics.update(mean_metrics(steps))
-            metrics.update(probe(eval_hook, eval_every, policy, run.updates - len(steps),
-                                 run.updates, total_updates))
-            metrics.update(updates=run.updates, round_updates=len(steps),
-                           queued=len(pending), mu_from_sampler=float(run.mu_source == "sampler"),
-                           seconds_training=busy, **lag_metrics(lags, batch),
-                           **side_seconds(trainer_busy=busy, trainer_wait=feed.waited - waited,
-                                          syncs=syncs, **sampler),
-                           **{f"pipeline/{k}": float(v) for k, v in counts.items()},
-                           **token_lag_metrics(by_update),
-                           **({f"pipeline/{k}": v for k, v in inflight.items()}
-                              if o.inflight_weights else {}),
-                           **{"pipeline/dropped": float(dropped),
-                              "pipeline/waiting": float(sum(len(b) for _, b in pending))})
-            last = logger.log(run.round, metrics)
-            syncs = []
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", dropped=counts["dropped_total"],
-                            refresh=False)  # no second line for this count (a log)
-            stopped = opened.should_stop(o.rounds)
-            saved = checkpointer.should_save(run.round) or run.round == o.rounds or stopped
-            if saved:
-                opened.save([b for _, b in pending], mode="free",
-                            versions=[v for v, _ in pending], **counts)
-            opened.round_done(saved)
-            if stopped:
-                break
-    finally:
-        opened.close(feed, bar, logger)
-    return opened.result(last)
+    """The rounds driver (`driver.drive`) with free-running rounds (`Freshest`). The
+    evaluations run on the trainer's clock, as in the other modes (the sampler keeps
+    sampling meanwhile, bounded by `online.max_staleness`)."""
+    return drive(opened, make_feed, Freshest(opened), progress=progress, eval_hook=eval_hook,
+                 eval_every=eval_every, eval_at_start=eval_at_start)
+
+
+class Freshest:
+    """How free-running rounds take their batches (`driver.Rounds`, module docstring): each
+    of a round's `updates_per_round` updates trains on the next batch at most
+    `online.max_staleness` versions old (older ones, and those of weights lost with a killed
+    trainer, are dropped and counted), publishing after every update."""
+
+    def __init__(self, opened: Any) -> None:
+        self.opened, o = opened, opened.config.online
+        self.last_round = o.rounds
+        versions = opened.meta.get("versions", [])
+        self.pending: deque[tuple[int | None, list[Record]]] = deque(
+            zip(versions, opened.run.queue.batches(), strict=True))
+        self.counts = free_counts(opened.meta)
+        self.syncs: list[float] = []
+
+    def progress(self, enabled: bool) -> Any:
+        o = self.opened.config.online
+        return progress_bar(o.rounds * o.updates_per_round, desc="trainer", unit="update",
+                            enabled=enabled, initial=self.opened.run.updates)
+
+    def start(self) -> None:
+        self.syncs = [self.opened.publish()]
+
+    def play(self, feed: Any, bar: Any) -> dict[str, float]:
+        config, run, policy = self.opened.config, self.opened.run, self.opened.policy
+        o, g, counts, pending = config.online, config.generate, self.counts, self.pending
+        waited = feed.waited
+        steps, lags, trained, dropped, busy = [], [], [], 0, 0.0
+        sampler = {"sampler_busy": 0.0, "sampler_wait": 0.0}
+        inflight = {"inflight_swaps": 0.0, "inflight_swap_s": 0.0}
+        by_update: list[tuple[int, list[Record]]] = []
+        for _ in range(o.updates_per_round):
+            while True:
+                while not pending:
+                    done = feed.get()
+                    pending.extend((done.version, b) for b in done.batches)
+                    counts["received_total"] += sum(map(len, done.batches))
+                    counts["sampled_rounds"] = done.round + 1
+                    run.position, run.mu_source = done.position, done.mu_source
+                    for key in sampler:
+                        sampler[key] += done.seconds[key]
+                    for key in inflight:
+                        inflight[key] += done.seconds.get(key, 0.0)
+                version, records = pending.popleft()
+                if version is not None and run.updates - version <= o.max_staleness:
+                    break
+                dropped += len(records)  # too old for the bound, or lost: never trained
+            t0 = time.perf_counter()
+            steps.append(policy.step(records))
+            busy += time.perf_counter() - t0
+            lags.append(run.updates - version)
+            trained.extend(records)
+            by_update.append((run.updates, records))
+            run.updates += 1
+            bar.update(1)
+            self.syncs.append(self.opened.publish())
+        run.round += 1
+        counts["trained_total"] += len(trained)
+        counts["dropped_total"] += dropped
+        metrics = reward_metrics(trained, g.n, o.pass_k)
+        metrics.update(mean_metrics(steps))
+        metrics.update(updates=run.updates, round_updates=len(steps),
+                       queued=len(pending), mu_from_sampler=float(run.mu_source == "sampler"),
+                       seconds_training=busy, **lag_metrics(lags, config.train.batch_size),
+                       **side_seconds(trainer_busy=busy, trainer_wait=feed.waited - waited,
+                                      syncs=self.syncs, **sampler),
+                       **{f"pipeline/{k}": float(v) for k, v in counts.items()},
+                       **token_lag_metrics(by_update),
+                       **({f"pipeline/{k}": v for k, v in inflight.items()}
+                          if o.inflight_weights else {}),
+                       **{"pipeline/dropped": float(dropped),
+                          "pipeline/waiting": float(sum(len(b) for _, b in pending))})
+        self.syncs = []
+        return metrics
+
+    def shown(self, bar: Any, metrics: dict[str, float]) -> None:
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                        dropped=self.counts["dropped_total"], refresh=False)  # no redraw
+
+    def save(self) -> None:
+        self.opened.save([b for _, b in self.pending], mode="free",
+                         versions=[v for v, _ in self.pending], **self.counts)

@@ -33,15 +33,14 @@ from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.paths import as_path
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.online import loop
+from jaxrl_llm.online import run_state
 from jaxrl_llm.online.config import OnlineConfig
+from jaxrl_llm.online.driver import drive
 from jaxrl_llm.online.lag import lag_metrics, side_seconds, total_rounds, version_of
 from jaxrl_llm.online.placement import Placement, make_placement
 from jaxrl_llm.online.queue import StalenessQueue
 from jaxrl_llm.online.rounds import (
     mean_metrics,
-    probe,
-    probe_start,
 )
 from jaxrl_llm.online.sampler_shape import IN_FLIGHT_VERSIONS
 from jaxrl_llm.online.sampler_side import (
@@ -73,7 +72,7 @@ class Opened:
     experiment: Any
     placement: Placement
     policy: Policy
-    run: Any  # loop.RunState
+    run: Any  # run_state.RunState
     meta: dict[str, Any]  # the restored checkpoint's online meta ({} on a fresh run)
     checkpointer: Checkpointer
     side: SamplerSide | None
@@ -137,7 +136,7 @@ class Opened:
     def result(self, last: dict[str, Any]) -> Any:
         jax.block_until_ready(self.policy.state.params)
         latest = self.checkpointer.latest_step()
-        return loop.OnlineResult(
+        return run_state.OnlineResult(
             rounds=self.run.round, updates=self.run.updates, last=last, policy=self.policy,
             stopped=self.stopped, stop_signal=self.stop.signum if self.stopped else None,
             checkpoint=None if latest is None else str(self.checkpointer.directory / str(latest)))
@@ -146,7 +145,7 @@ class Opened:
         self.run.queue = StalenessQueue(self.run.queue.staleness, pending)
         self.checkpointer.save(self.run.round, state_items(self.policy.state), force=True, meta={
             "config": self.experiment.model_dump(mode="json"),
-            loop.ONLINE_META: {**self.run.meta(), **extra}}, blobs=self.run.blobs())
+            run_state.ONLINE_META: {**self.run.meta(), **extra}}, blobs=self.run.blobs())
 
 
 def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened] = Opened,
@@ -158,19 +157,19 @@ def open_run(config: OnlineConfig, *, sampler: bool = True, opened: type[Opened]
         raise ConfigError(f"online.exchange={config.online.exchange}: the sampler runs in "
                           "worker processes; run each side with `jaxrl-llm online --role "
                           "trainer` / `--role worker --worker K` (online.remote)")
-    loop.check_config(config)
+    run_state.check_config(config)
     placement = make_placement(config) if mesh is None else Placement(mesh, mesh)
     o = config.online
-    experiment = loop.experiment_of(config)
+    experiment = run_state.experiment_of(config)
     policy = load_policy(config=experiment, mesh=placement.trainer)
-    run = loop.RunState(o.staleness)
+    run = run_state.RunState(o.staleness)
     checkpointer = Checkpointer(as_path(config.run_dir) / CHECKPOINT_DIR, save_every=o.checkpoint_every,
                                 keep=config.train.keep_checkpoints, async_save=False,
                                 params_dtype=config.train.checkpoint_dtype)
     meta: dict[str, Any] = {}
     if checkpointer.latest_step() is not None:
-        loop.restore_run(policy, checkpointer, run)
-        meta = checkpointer.read_meta(checkpointer.latest_step())[loop.ONLINE_META]
+        run_state.restore_run(policy, checkpointer, run)
+        meta = checkpointer.read_meta(checkpointer.latest_step())[run_state.ONLINE_META]
         free = meta.get("mode") == "free"
         if free != (o.pipeline == "free"):  # rows, rounds and the queue mean other things
             raise ConfigError(
@@ -232,108 +231,105 @@ def run_pipeline(config: OnlineConfig, *, progress: bool = True, eval_hook: Any 
 def train_rounds(opened: Opened, make_feed: Callable[[], Any], *, progress: bool,
                  eval_hook: Any = None, eval_every: int = 0, eval_at_start: bool = False
                  ) -> Any:
-    """The rounds driver of every mode but free-running: update u trains on batch u from
-    `make_feed()` (rounds in order: `get()`, `next`, `waited`, `close()`), and θ_v is
-    published (`opened.publish`) right after the update that made it when a round samples
-    with it. Stop points, evaluation, checkpoints, rows and progress lines are written here
-    once. The serial loop (`run_serial`: the sampler shares the trainer's state) samples each
-    round before its updates and writes no `pipeline/*` columns; the pipelines (the sampler
-    thread, or storage) take a round's samples after its updates, so both overlap."""
-    serial = opened.weights is not None and opened.weights.live
-    config = opened.config
-    o = config.online
-    policy, run, checkpointer = opened.policy, opened.run, opened.checkpointer
-    total_updates = o.rounds * o.updates_per_round
-    last_round = total_rounds(config)
-    pending: deque[list[Record]] = deque(run.queue.batches())
-    needed = {version_of(config, r) for r in range(run.round, last_round)}
-    syncs: list[float] = []
+    """The rounds driver (`driver.drive`) with in-order rounds (`InOrder`): the serial loop,
+    `pipeline: deterministic` / `off`, and the storage trainer."""
+    return drive(opened, make_feed, InOrder(opened), progress=progress, eval_hook=eval_hook,
+                 eval_every=eval_every, eval_at_start=eval_at_start)
 
-    def publish() -> None:
-        if run.updates in needed:
-            syncs.append(opened.publish())
 
-    logger = opened.logger()
-    lead = progress and jax.process_index() == 0
-    bar = (progress_bar(last_round, desc="online", unit="round", enabled=lead, initial=run.round)
-           if serial else progress_bar(total_updates, desc="trainer", unit="update",
-                                       enabled=lead, initial=run.updates))
-    sampled: dict[int, Sampled] = {}
+class InOrder:
+    """How deterministic rounds take their batches (`driver.Rounds`): update u trains on
+    batch u from the feed's rounds in order, and θ_v is published (`Opened.publish`) right
+    after the update that made it when a round samples with it. The serial loop (its sampler
+    shares the trainer's state, `LiveWeights`) samples each round before its updates and
+    writes no `pipeline/*` columns; the pipelines (the sampler thread, or storage) take a
+    round's samples after its updates, so the two sides overlap."""
 
-    def take_round() -> None:
+    def __init__(self, opened: Opened) -> None:
+        self.opened, config = opened, opened.config
+        self.serial = opened.weights is not None and opened.weights.live
+        self.last_round = total_rounds(config)
+        run = opened.run
+        self.pending: deque[list[Record]] = deque(run.queue.batches())
+        self.needed = {version_of(config, r) for r in range(run.round, self.last_round)}
+        self.syncs: list[float] = []
+        self.sampled: dict[int, Sampled] = {}
+
+    def progress(self, enabled: bool) -> Any:
+        o, run = self.opened.config.online, self.opened.run
+        if self.serial:
+            return progress_bar(self.last_round, desc="online", unit="round", enabled=enabled,
+                                initial=run.round)
+        return progress_bar(o.rounds * o.updates_per_round, desc="trainer", unit="update",
+                            enabled=enabled, initial=run.updates)
+
+    def start(self) -> None:
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.opened.run.updates in self.needed:
+            self.syncs.append(self.opened.publish())
+
+    def _take_round(self, feed: Any) -> None:
         """This round's samples (its row and checkpoint need them)."""
-        while feed.next <= run.round:
+        while feed.next <= self.opened.run.round:
             done = feed.get()
-            sampled[done.round] = done
-            pending.extend(done.batches)
+            self.sampled[done.round] = done
+            self.pending.extend(done.batches)
 
-    last: dict[str, Any] = {}
-    feed = None
-    try:
-        opened.watch_signals()
-        # the serial loop's step-0 row: the initial weights, before the sampler starts
-        numbers = probe_start(eval_hook, eval_at_start, policy, run.round, total_updates)
-        if numbers:
-            last = logger.log(0, numbers)
-        publish()
-        feed = make_feed()
-        while run.round < last_round:
-            t_round = time.perf_counter()
-            waited = feed.waited
-            steps, lags, busy = [], [], 0.0
-            if serial:  # with θ_{U(r)}, the trainer's state now
-                take_round()
-            end = version_of(config, run.round + 1)
-            while run.updates < end:
-                while not pending:
-                    done = feed.get()
-                    sampled[done.round] = done
-                    pending.extend(done.batches)
-                t0 = time.perf_counter()
-                steps.append(policy.step(pending.popleft()))
-                busy += time.perf_counter() - t0
-                lags.append(run.updates - version_of(config, run.updates // o.updates_per_round))
-                run.updates += 1
-                if not serial:
-                    bar.update(1)
-                publish()
-            take_round()
-            this = sampled.pop(run.round)
-            run.round, run.position, run.mu_source = this.round + 1, this.position, this.mu_source
-            metrics = dict(this.metrics)
-            metrics.update(mean_metrics(steps))
-            metrics.update(probe(eval_hook, eval_every, policy, run.updates - len(steps),
-                                  run.updates, total_updates))
-            metrics.update(updates=run.updates, round_updates=len(steps), queued=len(pending),
-                           mu_from_sampler=float(run.mu_source == "sampler"),
-                           seconds_sampling=this.seconds["seconds_sampling"],
-                           seconds_scoring=this.seconds["seconds_scoring"],
-                           seconds_training=busy, **lag_metrics(lags, config.train.batch_size),
-                           **side_seconds(sampler_busy=this.seconds["sampler_busy"],
-                                          sampler_wait=this.seconds["sampler_wait"],
-                                          trainer_busy=busy, trainer_wait=feed.waited - waited,
-                                          syncs=syncs),
-                           **{"pipeline/version": float(this.version),
-                              "pipeline/round_s": time.perf_counter() - t_round})
-            if serial:  # one program, one device set: no pipeline columns
-                metrics = {k: v for k, v in metrics.items() if not k.startswith("pipeline/")}
-            last = logger.log(run.round, metrics)
-            syncs.clear()
-            # the postfix first, without a redraw: one line per count in a log
-            if serial:
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", updates=run.updates,
-                                refresh=False)
+    def play(self, feed: Any, bar: Any) -> dict[str, float]:
+        config, run, policy = self.opened.config, self.opened.run, self.opened.policy
+        o = config.online
+        t_round = time.perf_counter()
+        waited = feed.waited
+        steps, lags, busy = [], [], 0.0
+        if self.serial:  # with θ_{U(r)}, the trainer's state now
+            self._take_round(feed)
+        end = version_of(config, run.round + 1)
+        while run.updates < end:
+            while not self.pending:
+                done = feed.get()
+                self.sampled[done.round] = done
+                self.pending.extend(done.batches)
+            t0 = time.perf_counter()
+            steps.append(policy.step(self.pending.popleft()))
+            busy += time.perf_counter() - t0
+            lags.append(run.updates - version_of(config, run.updates // o.updates_per_round))
+            run.updates += 1
+            if not self.serial:
                 bar.update(1)
-            else:
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round,
-                                refresh=False)
-            stopped = opened.should_stop(last_round)
-            saved = checkpointer.should_save(run.round) or run.round == last_round or stopped
-            if saved:
-                opened.save(list(pending))
-            opened.round_done(saved)
-            if stopped:
-                break
-    finally:
-        opened.close(feed, bar, logger)
-    return opened.result(last)
+            self._publish()
+        self._take_round(feed)
+        this = self.sampled.pop(run.round)
+        run.round, run.position, run.mu_source = this.round + 1, this.position, this.mu_source
+        metrics = dict(this.metrics)
+        metrics.update(mean_metrics(steps))
+        metrics.update(updates=run.updates, round_updates=len(steps), queued=len(self.pending),
+                       mu_from_sampler=float(run.mu_source == "sampler"),
+                       seconds_sampling=this.seconds["seconds_sampling"],
+                       seconds_scoring=this.seconds["seconds_scoring"],
+                       seconds_training=busy, **lag_metrics(lags, config.train.batch_size),
+                       **side_seconds(sampler_busy=this.seconds["sampler_busy"],
+                                      sampler_wait=this.seconds["sampler_wait"],
+                                      trainer_busy=busy, trainer_wait=feed.waited - waited,
+                                      syncs=self.syncs),
+                       **{"pipeline/version": float(this.version),
+                          "pipeline/round_s": time.perf_counter() - t_round})
+        self.syncs = []
+        if self.serial:  # one program on one device set: no pipeline columns
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("pipeline/")}
+        return metrics
+
+    def shown(self, bar: Any, metrics: dict[str, float]) -> None:
+        # the postfix without a redraw: one line per count in a log
+        run = self.opened.run
+        if self.serial:
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", updates=run.updates,
+                            refresh=False)
+            bar.update(1)
+        else:
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", round=run.round,
+                            refresh=False)
+
+    def save(self) -> None:
+        self.opened.save(list(self.pending))

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from jaxrl_llm.api import load_policy
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.progress import progress_bar
-from jaxrl_llm.online import loop
+from jaxrl_llm.online import run_state
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.exchange import Exchange, ExchangeError
 from jaxrl_llm.online.free import NO_END, free_counts, free_rounds, rounds_ahead
@@ -186,7 +186,7 @@ class StoredFeed:
 
 def run_trainer(config: OnlineConfig, *, progress: bool = True, eval_hook: Any = None,
                 eval_every: int = 0, eval_at_start: bool = False) -> Any:
-    """The trainer side (module docstring); `loop.OnlineResult`."""
+    """The trainer side (module docstring); `run_state.OnlineResult`."""
     o = config.online
     check_roles(config, "trainer", None)
     opened = open_run(config, sampler=False, opened=StorageTrainer)
@@ -317,7 +317,7 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
     a summary of what it sampled."""
     o, g = config.online, config.generate
     check_roles(config, "worker", index)
-    loop.check_config(config)
+    run_state.check_config(config)
     if g.backend == "vllm":
         from jaxrl_llm.online.vllm_rollout import check_vllm_worker
 
@@ -325,7 +325,7 @@ def run_worker(config: OnlineConfig, index: int, *, progress: bool = True) -> di
     check_placement(config, jax.devices())
     ex = Exchange(o.exchange, o.worker_timeout_s)
     mesh = make_mesh(config.mesh, jax.devices())
-    policy = load_policy(config=loop.experiment_of(config), mesh=mesh)
+    policy = load_policy(config=run_state.experiment_of(config), mesh=mesh)
     ours = manifest_of(config, policy.tokenizer)
     theirs = ex.wait(lambda: ex.read_json("manifest.json"), "manifest.json",
                      "`jaxrl-llm online --role trainer`")
@@ -421,7 +421,7 @@ def _decided_mu(ex: Exchange, side: SamplerSide, r: int) -> None:
     o = side.config.online
     if r == 0 or side.mu_source is not None or o.mu_source != "auto":
         return
-    if not (side.config.loss.spec.needs_mu and loop.untruncated(side.config)):
+    if not (side.config.loss.spec.needs_mu and run_state.untruncated(side.config)):
         return  # no μ, or auto's answer is "trainer" without a look at round 0
     decided = ex.wait(lambda: ex.read_json("mu_source.json"), "mu_source.json (round 0's μ "
                       "decision)", "`jaxrl-llm online --role worker --worker 0`")

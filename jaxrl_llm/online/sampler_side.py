@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxrl_llm.api import Policy, transform_rewards
 from jaxrl_llm.data.records import Record
-from jaxrl_llm.online import loop
+from jaxrl_llm.online import run_state
 from jaxrl_llm.online.config import OnlineConfig
 from jaxrl_llm.online.lag import version_of
 from jaxrl_llm.online.placement import Placement
@@ -183,7 +183,7 @@ class SamplerSide:
                                       **(self._in_flight(version, swaps) if o.inflight_weights
                                          else {}),
                                       **({"on_segment": self._check_stop} if self.stop else {}))
-        records = loop.shared_rewards(records)  # multi-host: process 0's verdicts
+        records = run_state.shared_rewards(records)  # multi-host: process 0's verdicts
         t2 = time.perf_counter()
         metrics = reward_metrics(records, g.n, o.pass_k)
         records, mismatch = self._mu(self, records)
@@ -297,9 +297,9 @@ def sampler_mu(config: OnlineConfig) -> Callable[[SamplerSide, list[Record]], An
     """The sampler side's μ step: the serial loop's `_mu`, its decision kept on the side."""
 
     def mu(side: SamplerSide, records: list[Record]) -> Any:
-        state = loop.RunState(0)
+        state = run_state.RunState(0)
         state.mu_source = side.mu_source
-        out = loop.round_mu(side.policy, config, state, records)
+        out = run_state.round_mu(side.policy, config, state, records)
         side.mu_source = state.mu_source
         return out
 

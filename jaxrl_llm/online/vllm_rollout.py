@@ -18,7 +18,7 @@ from jaxrl_llm.data.records import Record
 from jaxrl_llm.generate.completions import build_records
 from jaxrl_llm.generate.vllm import VllmEngine, engine_settings, needed_model_len, prompt_seeds
 from jaxrl_llm.generate.vllm_env import require_vllm
-from jaxrl_llm.online.loop import untruncated
+from jaxrl_llm.online.run_state import untruncated
 
 
 def check_vllm_worker(config: Any) -> None:
