@@ -95,35 +95,49 @@ def _dtype(name: str) -> np.dtype:
 
 def assemble(parts: Sequence[tuple[list[Leaf], bytes]], where: str) -> list[np.ndarray]:
     """Whole arrays from every part of a version; `ValueError` (naming `where`, the leaf and
-    the cause) when the parts disagree, overlap, or leave an element unwritten."""
+    the cause) when the parts disagree, write a shard twice, or leave elements unwritten.
+    Shards are boxes of a sharding's grid, so distinct in-bounds boxes whose sizes add up to
+    the array's are exactly a cover (no element mask). A leaf written as one whole shard is
+    a view of the payload, not a copy."""
     if not parts:
         raise ValueError(f"{where}: no parts")
     first = parts[0][0]
-    out = [np.empty(shape, _dtype(dtype)) for _, dtype, shape, _ in first]
-    written = [np.zeros(shape, np.bool_) for _, _, shape, _ in first]
-    for p, (leaves, payload) in enumerate(parts):
-        if [leaf[:3] for leaf in leaves] != [leaf[:3] for leaf in first]:
-            raise ValueError(f"{where}: part {p} lists other arrays than part 0")
-        offset = 0
-        for (name, _, _, indices), array, mask in zip(leaves, out, written,
-                                                       strict=True):
-            for index in indices:
-                box = tuple(slice(a, b) for a, b in index)
-                size = int(np.prod([b - a for a, b in index], dtype=np.int64))
-                nbytes = size * array.dtype.itemsize
-                if offset + nbytes > len(payload):
+    offsets = [0] * len(parts)
+    out: list[np.ndarray] = []
+    for i, (name, dtype, shape, _) in enumerate(first):
+        dt = _dtype(dtype)
+        pieces: list[tuple[tuple[slice, ...], np.ndarray]] = []
+        for p, (leaves, payload) in enumerate(parts):
+            if leaves[i][:3] != [name, dtype, shape]:
+                raise ValueError(f"{where}: part {p} lists other arrays than part 0 ({name})")
+            for index in leaves[i][3]:
+                extent = [b - a for a, b in index]
+                if len(index) != len(shape) or any(
+                        not 0 <= a <= b <= n for (a, b), n in zip(index, shape, strict=True)):
+                    raise ValueError(f"{where}: {name} has a shard {index} outside {shape}")
+                size = int(np.prod(extent, dtype=np.int64))
+                if offsets[p] + size * dt.itemsize > len(payload):
                     raise ValueError(f"{where}: part {p} ends inside {name}")
-                if mask[box].any():
-                    raise ValueError(f"{where}: {name} has an element in two parts' shards")
-                array[box] = np.frombuffer(payload, array.dtype, count=size, offset=offset
-                                           ).reshape([b - a for a, b in index])
-                mask[box] = True
-                offset += nbytes
-        if offset != len(payload):
-            raise ValueError(f"{where}: part {p} holds {len(payload) - offset} bytes past "
+                data = np.frombuffer(payload, dt, count=size, offset=offsets[p]).reshape(extent)
+                offsets[p] += size * dt.itemsize
+                pieces.append((tuple(slice(a, b) for a, b in index), data))
+        boxes = {tuple((s.start, s.stop) for s in box) for box, _ in pieces}
+        if len(boxes) != len(pieces):
+            raise ValueError(f"{where}: {name} has an element in two parts' shards")
+        covered = sum(d.size for _, d in pieces)
+        total = int(np.prod(shape, dtype=np.int64))
+        if covered != total:
+            raise ValueError(f"{where}: {name} has {total - covered} elements no part wrote "
+                             "(a trainer process's part is missing)")
+        if len(pieces) == 1:
+            out.append(pieces[0][1])
+            continue
+        array = np.empty(shape, dt)
+        for box, data in pieces:
+            array[box] = data
+        out.append(array)
+    for p, (_, payload) in enumerate(parts):
+        if offsets[p] != len(payload):
+            raise ValueError(f"{where}: part {p} holds {len(payload) - offsets[p]} bytes past "
                              "its last shard")
-    for (name, *_), mask in zip(first, written, strict=True):
-        if not mask.all():
-            raise ValueError(f"{where}: {name} has {int((~mask).sum())} elements no part "
-                             "wrote (a trainer process's part is missing)")
     return out
