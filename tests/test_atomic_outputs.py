@@ -239,6 +239,8 @@ ALLOWED = {
     ("generate/vllm_host.py", "open"): "the host's lock file (flock, holds a pid) and its "
     "append-only log",
     ("core/paths.py", "write_text"): "append_text on a remote object (objects appear whole)",
+    ("train/checkpoint.py", "write_bytes"): "an item's file (the online queue) inside the "
+    "Orbax step's temporary directory, committed with the step or not at all",
 }
 
 
