@@ -44,9 +44,9 @@ from jaxrl_llm.online.rounds import sampling_seed
 from jaxrl_llm.online.run_identity import check_file_run, check_manifest, manifest_of
 from jaxrl_llm.online.sampler_shape import fixed_sampler_batch
 from jaxrl_llm.online.sampler_side import Sampled, SamplerSide, sampler_mu
-from jaxrl_llm.online.weight_parts import cast_for_sampling, expected_leaves, local_part
+from jaxrl_llm.online.weight_parts import expected_leaves, local_part
 from jaxrl_llm.parallel.mesh import make_mesh
-from jaxrl_llm.sampling.layout import sampling_dtype
+from jaxrl_llm.sampling.layout import cast_for_sampling, sampling_dtype
 
 
 def check_roles(config: OnlineConfig, role: str | None, worker: int | None) -> None:

@@ -129,10 +129,6 @@ class LiveWeights:
         del version
         return self.policy.state.params, self.policy.state.model_state
 
-    def take_newest(self, after: int | None = None) -> tuple[int, Any] | None:
-        version = self.policy.updates
-        return None if after is not None and version <= after else (version, self.take(version))
-
     def close(self) -> None:
         pass
 

@@ -22,15 +22,6 @@ from jaxrl_llm.sampling.layout import castable
 Leaf = list[Any]  # [name, dtype, shape, [index, ...]]
 
 
-def cast_for_sampling(tree: Any, dtype: Any) -> Any:
-    """`tree` with its ≥ 2-D float weights cast to the sampling `dtype` on their own devices
-    (`sampling.layout.castable`: no value the model computes with changes); None: as is."""
-    if dtype is None:
-        return tree
-    dtype = np.dtype(dtype)
-    return jax.tree.map(lambda a: a.astype(dtype) if castable(a, dtype) else a, tree)
-
-
 def expected_leaves(tree: Any, dtype: Any) -> list[tuple[str, str, list[int]]]:
     """(name, dtype, shape) of every leaf of `tree` as `cast_for_sampling` publishes it."""
     out = []

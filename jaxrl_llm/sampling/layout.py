@@ -171,16 +171,20 @@ class DecodeLayout:
         when it is there already), its float arrays cast to `dtype` when given (the sampling
         dtype, `sampling_dtype`: the trainer's float32 masters are not what a bf16 model
         decodes with; only ≥ 2-D float weights are cast, `castable`)."""
-        if dtype is not None:
-            dtype = jax.numpy.dtype(dtype)
-            cast = lambda a: a.astype(dtype) if castable(a, dtype) else a
-        if self.mesh is None:
-            return state if dtype is None else jax.tree.map(cast, state)
-        shardings = self.weight_shardings(state)
-        if dtype is None:
-            return jax.device_put(state, shardings)
         # Cast on the source devices first: only the lean copy crosses devices.
-        return jax.device_put(jax.tree.map(cast, state), shardings)
+        state = cast_for_sampling(state, dtype)
+        if self.mesh is None:
+            return state
+        return jax.device_put(state, self.weight_shardings(state))
+
+
+def cast_for_sampling(tree: Any, dtype: Any) -> Any:
+    """`tree` with its `castable` weights cast to the sampling `dtype` on their own devices
+    (no value the model computes with changes); `dtype` None: as is."""
+    if dtype is None:
+        return tree
+    dtype = jax.numpy.dtype(dtype)
+    return jax.tree.map(lambda a: a.astype(dtype) if castable(a, dtype) else a, tree)
 
 
 def castable(a: Any, dtype: Any) -> bool:

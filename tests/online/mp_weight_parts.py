@@ -27,7 +27,8 @@ def main() -> None:
     from flax import nnx
 
     from jaxrl_llm.online.exchange import Exchange
-    from jaxrl_llm.online.weight_parts import cast_for_sampling, local_part
+    from jaxrl_llm.online.weight_parts import local_part
+    from jaxrl_llm.sampling.layout import cast_for_sampling
     from tests.parallel.test_sharded_sampler import make_model, on_mesh
 
     model = on_mesh(make_model(), 8, data=4, fsdp=2, tensor=1)

@@ -20,7 +20,8 @@ import pytest
 from flax import nnx
 
 from jaxrl_llm.online.exchange import Exchange, ExchangeError
-from jaxrl_llm.online.weight_parts import assemble, cast_for_sampling, local_part
+from jaxrl_llm.online.weight_parts import assemble, local_part
+from jaxrl_llm.sampling.layout import cast_for_sampling
 from tests.parallel.test_sharded_sampler import make_model, on_mesh
 
 
