@@ -45,8 +45,9 @@ from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.policy.export import atomic_save
 from jaxrl_llm.policy.opener import OpenedModel, open_model
 from jaxrl_llm.sampling.build import build_sampler
-from jaxrl_llm.sampling.continuous import ContinuousSampler, version_runs
+from jaxrl_llm.sampling.continuous import ContinuousSampler
 from jaxrl_llm.sampling.sampler import SamplingParams
+from jaxrl_llm.sampling.schedule import version_runs
 from jaxrl_llm.tasks import task_from_config
 from jaxrl_llm.train.checkpoint import (
     CHECKPOINT_DIR,

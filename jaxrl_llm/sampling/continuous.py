@@ -55,7 +55,13 @@ from jaxrl_llm.sampling.sampler import (
     SamplingParams,
     window_ends,
 )
-from jaxrl_llm.sampling.schedule import assignments, commit_rows, staging_rows, tail_rows
+from jaxrl_llm.sampling.schedule import (
+    assignments,
+    commit_rows,
+    default_prompt_rows,
+    staging_rows,
+    tail_rows,
+)
 from jaxrl_llm.sampling.slot_program import (
     assign_slots,
     commit_staging,
@@ -63,33 +69,12 @@ from jaxrl_llm.sampling.slot_program import (
     init_slots,
     prefill_staging,
     resize_slots,
+    resume_slots,
     select_slots,
 )
+from jaxrl_llm.sampling.turns import ParkedSlots, TurnHook
 
 Array = jax.Array
-
-
-def default_prompt_rows(slots: int, n: int, staging_rows: int) -> int:
-    """Store rows: 3 × the ceil(R/n) prompts that fill the slots, but at most R/2 (the store
-    then holds at most half the prompt copies that per-slot caches would) and never fewer
-    than ceil(R/n) (so n = 1 gets R rows); plus room for the staged prompts.
-
-    A prompt holds its row until its last sample ends, about H_n (the n-th harmonic number,
-    2.7 at n = 8) mean lengths after its first began, so with fewer rows the freed slots wait
-    for a row: at 16 slots and n = 8 (SmolLM2, T = 1 until EOS) 4 rows left 27 % of the
-    slot-steps idle; 6 to 8 rows ran 13–17 % faster (benchmarks/continuous_batching.py)."""
-    full = math.ceil(slots / n)
-    return min(3 * full, max(full, slots // 2)) + staging_rows
-
-
-def version_runs(versions: Sequence[int]) -> list[list[int]]:
-    """A sample's per-token weight versions as [version, first token index] at each change
-    (JSON-able, short): [3, 3, 7, 7, 7] → [[3, 0], [7, 2]]."""
-    runs: list[list[int]] = []
-    for t, v in enumerate(int(x) for x in versions):
-        if not runs or runs[-1][0] != v:
-            runs.append([v, t])
-    return runs
 
 
 class ContinuousSampler(Sampler):
@@ -166,7 +151,7 @@ class ContinuousSampler(Sampler):
                  on_segment: Callable[[int, int], None] | None = None,
                  prompt_ids: Sequence[int] | None = None,
                  weights: Callable[[], tuple[int, Any] | None] | None = None,
-                 version: int = 0) -> GenerationOutput:
+                 version: int = 0, turns: TurnHook | None = None) -> GenerationOutput:
         """`Sampler.generate`'s contract. `on_segment(0, 0)` runs before the first prefill
         and `on_segment(0, t)` after each decode segment (t ≥ 1: the longest sample's tokens
         among those that ran in it);
@@ -174,7 +159,9 @@ class ContinuousSampler(Sampler):
         `weights`: called before each decode segment; None, or (v, state) to decode from then on
         with `state` (an `nnx.split` state of the same model, e.g. a newer version v of its
         weights); `version`: the version of the model's own weights. With a hook the output's
-        `versions` holds each token's version."""
+        `versions` holds each token's version. `turns`: multi-turn episodes (`turns.py`): a
+        sample that ends a turn is parked until `turns` answers, then resumes with the
+        environment's tokens fed into its cache; the output's `action_mask` marks them 0."""
         del progress
         prompts = self.checked_prompts(prompts, params)
         ids = self.checked_ids(prompt_ids, len(prompts))
@@ -195,7 +182,8 @@ class ContinuousSampler(Sampler):
                                                                   shared=False)
         traced = dict(temperature=np.float32(params.temperature if not params.greedy else 1.0),
                       top_p=np.float32(params.top_p),
-                      stop_ids=np.asarray(params.stop_token_ids or (-1,), np.int32))
+                      stop_ids=np.asarray(tuple(params.stop_token_ids) + tuple(
+                          turns.stop_ids if turns is not None else ()) or (-1,), np.int32))
         static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
                       return_logits=return_logits)
         ends = window_ends(max_new, self.cache_windows)
@@ -213,6 +201,9 @@ class ContinuousSampler(Sampler):
                     lengths=np.zeros(count * n, np.int32), stopped=np.zeros(count * n, bool))
         if return_logits:
             host["logits"] = np.zeros((count * n, max_new, vocab), np.float32)
+        parked = ParkedSlots(self.slots, max_new) if turns is not None else None
+        if parked is not None:
+            host["action_mask"] = np.ones((count * n, max_new), np.uint8)
         held = [-1] * k_rows  # the prompt in each store row (-1: none)
         given = [n] * k_rows  # how many of its samples have had a slot
         staged: dict[int, int] = {}  # the prompt in each used staging row
@@ -227,11 +218,49 @@ class ContinuousSampler(Sampler):
         row_version = [version] * k_rows
         staged_version = version
         next_prompt = 0
-        longest = max_new if not params.stop_token_ids else (
+        longest = max_new if not (params.stop_token_ids or turns) else (
             self.segment_steps or max(8, math.ceil(max_new / 8)))
         if on_segment is not None:
             on_segment(0, 0)
+
+        def collect(finished: np.ndarray) -> None:
+            """Slots `finished` hold ended samples: copy them out and free the slots."""
+            out = {name: host_array(v) for name, v in carry["out"].items()}
+            stopped = host_array(carry["state"]["stopped"])
+            rows = slot_row[finished]
+            for name, value in out.items():
+                host[name][rows] = value[finished]
+            host["lengths"][rows] = t_now[finished]
+            host["versions"][rows] = slot_versions[finished]
+            host["stopped"][rows] = stopped[finished]
+            if parked is not None:
+                for slot_index, row in zip(finished, rows, strict=True):
+                    host["action_mask"][row, :t_now[slot_index]] = parked.action_mask(
+                        slot_index, int(t_now[slot_index]))
+            busy[finished] = False
+            before = int(np.sum(done_per_prompt == n))
+            np.add.at(done_per_prompt, rows // n, 1)
+            if on_batch is not None and np.sum(done_per_prompt == n) > before:
+                on_batch(int(np.sum(done_per_prompt == n)) - before)
+
+        def answer(answers: list[tuple[int, list[int] | None]]) -> dict:
+            """Resume the parked slots whose environment answered; collect ended episodes."""
+            over = np.asarray([s for s, ids in answers if ids is None], np.int64)
+            if len(over):
+                collect(over)
+            go = [s for s, ids in answers if ids is not None]
+            for s, ids in answers:
+                if ids is not None:
+                    parked.feed_observation(s, int(t_now[s]), ids)
+            if not go:
+                return carry
+            take = np.zeros(len(busy), bool)
+            take[go] = True
+            return resume_slots(carry, lay.put(take), lay.put(parked.feed), layout=lay)
+
         while True:
+            if parked is not None and len(parked):
+                carry = answer(parked.answered(block=False))
             for r in range(k_rows):  # a prompt whose samples have all ended frees its row
                 if held[r] >= 0 and done_per_prompt[held[r]] == n:
                     held[r] = -1
@@ -255,6 +284,8 @@ class ContinuousSampler(Sampler):
             if plan:
                 carry = self._assign(carry, store, plan, key, traced, static, len(busy))
                 for slot_index, r, _, sample in plan:
+                    if parked is not None:
+                        parked.assigned(slot_index)
                     slot_row[slot_index] = held[r] * n + sample
                     t_now[slot_index] = 1
                     slot_versions[slot_index, 0] = row_version[r]
@@ -263,12 +294,16 @@ class ContinuousSampler(Sampler):
                 version, state = newer  # PipelineRL's in-flight update (module docstring)
                 state = lay.place_state(state, sampling_dtype(self.model))
                 layer_params = self._layer_params(graphdef, state)
-            if not busy.any():
+            running = busy & ~parked.parked(len(busy)) if parked is not None else busy
+            if not running.any():
                 if staged and not ready:  # nothing decodes: the whole prefill now
                     carry = dict(carry, staging=prefill_staging(
                         graphdef, state, layer_params, carry["staging"], chunk=size["chunk"],
                         layout=lay))
                     ready, staged_version = True, version
+                    continue
+                if parked is not None and len(parked):  # only environments are working
+                    carry = answer(parked.answered(block=True))
                     continue
                 if staged:  # every row is free when no slot runs
                     raise RuntimeError("continuous sampler: staged prompts found no store row")
@@ -278,7 +313,10 @@ class ContinuousSampler(Sampler):
             if not more and busy.sum() <= len(busy) // 2 and len(busy) > self.min_rows:
                 keep = tail_rows(busy, lay.groups, self.min_rows)  # the tail: fewer rows
                 carry = select_slots(carry, lay.put(keep.astype(np.int32)), layout=lay)
+                if parked is not None:
+                    parked.keep(keep)
                 busy, slot_row, t_now = busy[keep], slot_row[keep], t_now[keep]
+                running = running[keep]
                 slot_versions = slot_versions[keep]
             # The smallest window every running sample's next write (slot t - 1) fits in.
             top = int(t_now[busy].max())
@@ -289,7 +327,8 @@ class ContinuousSampler(Sampler):
             chunks_before = int(host_array(carry["staging"]["chunk"]))
             start = time.perf_counter()
             carry = decode_slots(graphdef, state, layer_params, carry, store, np.int32(steps),
-                                 np.int32(self.refill_slots if more else len(busy) + 1),
+                                 np.int32(self.refill_slots + (len(parked) if parked else 0)
+                                          if more else len(busy) + 1),
                                  **traced, **static, chunk=size["chunk"])
             slot = {name: host_array(carry["state"][name]) for name in ("active", "t", "stopped")}
             chunk_now, chunks = (int(host_array(carry["staging"][f])) for f in ("chunk", "chunks"))
@@ -310,20 +349,14 @@ class ContinuousSampler(Sampler):
                 rate = done / max(time.perf_counter() - start, 1e-6)
                 self._timed_steps = max(1, int(self.segment_s * rate))
             longest_t = int(np.max(slot["t"], where=busy, initial=1))  # (busy is not empty)
-            finished = np.flatnonzero(busy & ~slot["active"])
-            if len(finished):
-                out = {name: host_array(v) for name, v in carry["out"].items()}
-                rows = slot_row[finished]
-                for name, value in out.items():
-                    host[name][rows] = value[finished]
-                host["lengths"][rows] = slot["t"][finished]
-                host["versions"][rows] = slot_versions[finished]
-                host["stopped"][rows] = slot["stopped"][finished]
-                busy[finished] = False
-                before = int(np.sum(done_per_prompt == n))
-                np.add.at(done_per_prompt, rows // n, 1)
-                if on_batch is not None and np.sum(done_per_prompt == n) > before:
-                    on_batch(int(np.sum(done_per_prompt == n)) - before)
+            finished = np.flatnonzero(running & ~slot["active"])
+            if len(finished) and parked is not None:  # a turn ended: its environment answers
+                tokens, logprobs = (host_array(carry["out"][f]) for f in ("tokens", "logprobs"))
+                for s in finished:
+                    parked.park(turns, int(s), int(slot_row[s]), tokens[s], logprobs[s],
+                                int(t_now[s]), bool(slot["stopped"][s]))
+            elif len(finished):
+                collect(finished)
             if on_segment is not None:
                 on_segment(0, longest_t)
         return GenerationOutput(
@@ -332,7 +365,8 @@ class ContinuousSampler(Sampler):
             lengths=host["lengths"],
             finish_reason=np.where(host["stopped"], FINISH_STOP, FINISH_LENGTH),
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-            logits=host.get("logits"), versions=host["versions"] if weights is not None else None)
+            logits=host.get("logits"), versions=host["versions"] if weights is not None else None,
+            action_mask=host.get("action_mask"))
 
     def _layer_params(self, graphdef: Any, state: Any) -> Any:
         """The decode copy of the layer weights (`fused_layer_params`); unfused under tensor

@@ -163,7 +163,8 @@ def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
     write]`) makes the TPU compiler copy the whole cache every step (7 GiB per chip for an 8B
     model at 256 × 8,192; benchmarks/decode_v5e.py). The index is clamped: an idle slot's
     (write ≥ G) lands in its own last generated slot, which no sequence reads before writing
-    it (a slot reads its own slots < t only, all written by its current sequence)."""
+    it (a slot reads its own slots < t only, all written by its current sequence; a slot
+    parked between an episode's turns has written slots < t − 1 only, and the window G ≥ t)."""
     axis = slot_axis - (slot_axis > row_axis)  # in one row's buffer
 
     def one(row: Array, x: Array, at: Array) -> Array:

@@ -121,6 +121,9 @@ class GenerationOutput:
     # [N, max_new] int: the weight version that sampled each token, only with in-flight weight
     # updates (`ContinuousSampler.generate(weights=...)`)
     versions: np.ndarray | None = None
+    # [N, max_new] uint8: 1 where the model sampled the token, 0 where an environment's was
+    # fed (multi-turn episodes, `ContinuousSampler.generate(turns=...)`); None: all sampled
+    action_mask: np.ndarray | None = None
 
     def completions(self) -> list[list[int]]:
         """Completion token lists without padding."""

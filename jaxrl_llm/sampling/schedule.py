@@ -78,3 +78,26 @@ def tail_rows(busy: np.ndarray, groups: int, min_rows: int) -> np.ndarray:
     keep = [g * per + np.concatenate([np.flatnonzero(p), np.flatnonzero(~p)])[:size]
             for g, p in enumerate(parts)]
     return np.concatenate(keep)
+
+
+def default_prompt_rows(slots: int, n: int, staging_rows: int) -> int:
+    """Store rows: 3 × the ceil(R/n) prompts that fill the slots, but at most R/2 (the store
+    then holds at most half the prompt copies that per-slot caches would) and never fewer
+    than ceil(R/n) (so n = 1 gets R rows); plus room for the staged prompts.
+
+    A prompt holds its row until its last sample ends, about H_n (the n-th harmonic number,
+    2.7 at n = 8) mean lengths after its first began, so with fewer rows the freed slots wait
+    for a row: at 16 slots and n = 8 (SmolLM2, T = 1 until EOS) 4 rows left 27 % of the
+    slot-steps idle; 6 to 8 rows ran 13–17 % faster (benchmarks/continuous_batching.py)."""
+    full = math.ceil(slots / n)
+    return min(3 * full, max(full, slots // 2)) + staging_rows
+
+
+def version_runs(versions: Sequence[int]) -> list[list[int]]:
+    """A sample's per-token weight versions as [version, first token index] at each change
+    (JSON-able, short): [3, 3, 7, 7, 7] → [[3, 0], [7, 2]]."""
+    runs: list[list[int]] = []
+    for t, v in enumerate(int(x) for x in versions):
+        if not runs or runs[-1][0] != v:
+            runs.append([v, t])
+    return runs

@@ -11,6 +11,11 @@ decode slots that are refilled as their samples finish, over a shared prompt cac
 * `decode_slots`: a `lax.while_loop` of decode steps over all slots (and of prefill chunks),
   until a step count, until no slot runs, or until `refill_at` slots are free and the staged
   prompts are ready (then the driver refills them). It runs at least one step.
+* `resume_slots`: multi-turn episodes (`turns.py`): a slot parked at a turn boundary runs
+  again, its `feed` row holding the environment's tokens at the completion positions they
+  take. A fed position is written to the cache like a sampled token (the next step reads it)
+  but is not sampled (log-prob 0, never a stop): the observation is prefilled into the slot's
+  own cache token by token while the other slots decode, and nothing is recomputed.
 
 Shapes are static per call: slots R, store rows K, staged prompts P, prompt width W (a
 multiple of the chunk), generated slots G; what changes per step is data. A sample's noise
@@ -52,7 +57,8 @@ def init_slots(model: Any, *, slots: int, gen_len: int, cache_dtype: Any, max_ne
     zeros = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)  # distinct buffers (donated)
     state = dict(own=dict(k=cache.k, v=cache.v), last=zeros(), position=zeros(), t=zeros(),
                  row=zeros(), prompt=zeros() - 1, sample=zeros(), active=zeros(bool),
-                 stopped=zeros(bool), row_keys=sample_key(key, zeros(), zeros()))
+                 stopped=zeros(bool), row_keys=sample_key(key, zeros(), zeros()),
+                 feed=jnp.full((slots, max_new), -1, jnp.int32))  # -1: sample this position
     out = dict(tokens=jnp.full((slots, max_new), pad_token_id, jnp.int32),
                logprobs=jnp.zeros((slots, max_new), jnp.float32),
                raw_logprobs=jnp.zeros((slots, max_new), jnp.float32))
@@ -139,8 +145,21 @@ def assign_slots(carry: dict, store: dict, take: Array, rows: Array, prompt_ids:
                  sample=set_(state["sample"], sample_ids),
                  active=set_(state["active"], ~stop & (program.max_new_tokens > 1)),
                  stopped=set_(state["stopped"], stop),
-                 row_keys=jnp.where(take, row_keys, state["row_keys"]))
+                 row_keys=jnp.where(take, row_keys, state["row_keys"]),
+                 feed=jnp.where(take[:, None], -1, state["feed"]))
     return layout.constrain(dict(carry, state=state, out=out))
+
+
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("carry",))
+def resume_slots(carry: dict, take: Array, feed: Array, *,
+                 layout: DecodeLayout = UNPLACED) -> dict:
+    """Slots `take` [R] (parked at a turn boundary) run again with feed rows `feed`
+    [R, max_new] (-1: sample; a token id: the environment's token at that position); the
+    others keep theirs."""
+    state = carry["state"]
+    state = dict(state, feed=jnp.where(take[:, None], feed, state["feed"]),
+                 active=state["active"] | take, stopped=state["stopped"] & ~take)
+    return layout.constrain(dict(carry, state=state))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", *_STATIC, "chunk", "layout"),
@@ -177,17 +196,21 @@ def decode_slots(graphdef, state, layer_params: Any, carry: dict, store: dict, s
                               lambda s: s, staged)
         logits = _last_logits(model, hidden[:, None])
         token, lp, raw_lp = sample(slot["row_keys"], t, logits, temperature, top_p)
-        token = jnp.where(active, token, pad_token_id)
         index = jnp.arange(token.shape[0])
+        forced = slot["feed"][index, jnp.minimum(t, max_new - 1)]  # an environment token?
+        fed = active & (forced >= 0)
+        token = jnp.where(fed, forced, jnp.where(active, token, pad_token_id))
+        lp, raw_lp = jnp.where(fed, 0.0, lp), jnp.where(fed, 0.0, raw_lp)
         col = jnp.where(active, t, max_new)  # out of range: dropped
         put = lambda buf, value: buf.at[index, col].set(value.astype(buf.dtype), mode="drop")
         out = dict(out, tokens=put(out["tokens"], token), logprobs=put(out["logprobs"], lp),
                    raw_logprobs=put(out["raw_logprobs"], raw_lp))
         if return_logits:
             out["logits"] = put(out["logits"], logits)
-        stop = active & jnp.isin(token, stop_ids)
+        stop = active & ~fed & jnp.isin(token, stop_ids)
         t = t + active.astype(jnp.int32)
-        slot = dict(slot, own=own, last=token, t=t,
+        # an idle slot keeps its last token: a parked one feeds it when it resumes
+        slot = dict(slot, own=own, last=jnp.where(active, token, slot["last"]), t=t,
                     position=slot["position"] + active.astype(jnp.int32),
                     active=active & ~stop & (t < max_new), stopped=slot["stopped"] | stop)
         return i + 1, slot, out, staged
