@@ -10,7 +10,7 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
-    show = sub.add_parser("show", help="print records (text, reward, flags)")
+    show = sub.add_parser("show", help="print records (text, reward, flags; an episode's turns)")
     show.add_argument("records", help="record directory")
     show.add_argument("--start", type=int, default=0)
     show.add_argument("--num", type=int, default=5)
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from jaxrl_llm.core.atomic import atomic_open
     from jaxrl_llm.data.shards import RecordSource
+    from jaxrl_llm.data.show import render_record
     from jaxrl_llm.data.stats import dataset_stats
 
     if args.data_command == "stats":
@@ -42,11 +43,7 @@ def _run(args: argparse.Namespace) -> int:
     source = RecordSource(args.records)
     if args.data_command == "show":
         for i in range(args.start, min(len(source), args.start + args.num)):
-            r = source[i]
-            flags = "correct" if r.correct else ("invalid" if r.invalid else "incorrect")
-            print(f"=== {source.where(i)}  group {r.group_id}  reward {r.reward:+g}  {flags}  answer {r.answer!r}")
-            print(f"--- prompt ({r.prompt_ids.size} tokens)\n{r.prompt_text}")
-            print(f"--- completion ({r.completion_ids.size} tokens)\n{r.completion_text}")
+            print(render_record(source[i], source.where(i)))
         return 0
     with atomic_open(args.out) if args.out else contextlib.nullcontext(sys.stdout) as out:
         for r in source:

@@ -2,7 +2,9 @@
 
 Token arrays are [B, T] rows, aligned to *targets*: position t holds the token predicted at t,
 so `log π(targets[:, t] | inputs[:, :t+1])` is the per-token log-prob and `loss_mask[:, t]` is
-1 exactly on completion tokens (docs/kernels.md notation). Per-token log-prob arrays follow the same alignment.
+1 exactly on the completion's model tokens (docs/kernels.md notation): every completion token
+of a single-turn record, the `Record.action_mask` ones of a multi-turn episode, whose
+environment tokens are context only. Per-token log-prob arrays follow the same alignment.
 
 Two layouts, told apart by the static `records_per_row` k = len(rewards) / B:
 
@@ -51,7 +53,7 @@ class Batch:
     targets: jax.Array  # [B, T] int32 next tokens (inputs shifted left by one)
     positions: jax.Array  # [B, T] int32 RoPE positions (restart at 0 in each packed segment)
     segment_ids: jax.Array  # [B, T] int32, 0 = padding, 1.. = record within the row
-    loss_mask: jax.Array  # [B, T] float32, 1 on completion-token targets
+    loss_mask: jax.Array  # [B, T] float32, 1 on completion targets the model sampled
     behavior_logprobs: jax.Array  # [B, T] float32, what the sampler reported (0 where masked)
     mu_logprobs: jax.Array  # [B, T] float32, re-scored behaviour log-probs (docs/architecture.md § Why μ is re-scored)
     ref_logprobs: jax.Array  # [B, T] float32, frozen reference model (0 when unused)

@@ -2,7 +2,10 @@
 
 Row alignment (data/batch.py): a record's tokens `x = prompt + completion` (length L) give a
 row of length L−1 with `inputs = x[:-1]`, `targets = x[1:]`; completion token j is the target
-at position P−1+j, where `loss_mask` is 1 and the per-token log-prob arrays are placed.
+at position P−1+j, where the per-token log-prob arrays are placed and `loss_mask` is 1 when
+token j is the model's (`Record.action_mask`; every completion token without one). An
+environment token of a multi-turn episode is an input (context for what follows) and a target
+with `loss_mask` 0 and log-probs 0: no loss reads it as an action.
 `data/loader.py` (the grain pipeline) and the score pass both build their batches here.
 """
 
@@ -27,17 +30,20 @@ def record_row(record: Record, *, require_mu: bool = False, require_ref: bool = 
 
     A missing per-token array is placed as zeros; `require_mu` / `require_ref` make a missing
     `mu_logprobs` / `ref_logprobs` an error instead (a loss reading them must never see 0).
+    Environment tokens (`action_mask` 0) get `loss_mask` 0 and 0.0 in every log-prob array,
+    whatever a record not yet validated holds there.
     """
     p, c = record.prompt_ids.size, record.completion_ids.size
+    model = record.model_tokens(where=where)
     tokens = np.concatenate([record.prompt_ids, record.completion_ids])
     n = tokens.size - 1
     loss_mask = np.zeros(n, np.float32)
-    loss_mask[p - 1 :] = 1.0
+    loss_mask[p - 1 :] = model
 
     def place(values: np.ndarray | None) -> np.ndarray:
         row = np.zeros(n, np.float32)
         if values is not None:
-            row[p - 1 :] = values
+            row[p - 1 :] = np.where(model, values, 0.0)
         return row
 
     if require_mu and record.mu_logprobs is None and c:

@@ -26,7 +26,8 @@ and hold up to k = `records_per_row` records, with `batch_size · k` record slot
 
 Row alignment (data/batch.py): a record's tokens `x = prompt + completion` (length L) give a
 row of length L−1 with `inputs = x[:-1]`, `targets = x[1:]`; completion token j is the target
-at position P−1+j, where `loss_mask` is 1 and the per-token log-prob arrays are placed.
+at position P−1+j, where the per-token log-prob arrays are placed and `loss_mask` is 1 if
+the model sampled it (a multi-turn episode's environment tokens: 0, `data/collate.py`).
 """
 
 from __future__ import annotations

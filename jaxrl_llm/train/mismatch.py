@@ -131,12 +131,17 @@ class Comparison:
     behavior: bool
 
     def pair(self, record: Record, mu: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(trainer, sampler) log-probs of `record` to compare, or None."""
+        """(trainer, sampler) log-probs of `record`'s model tokens to compare, or None: an
+        episode's environment tokens (`action_mask` 0) were never sampled, so neither side
+        has a log-prob there to compare."""
         if record.raw_logprobs is not None and self.raw is not None:
-            return (mu if self.raw == "mu_logprobs" else ref), record.raw_logprobs
-        if record.behavior_logprobs is not None and self.behavior:
-            return mu, record.behavior_logprobs
-        return None
+            trainer, sampler = (mu if self.raw == "mu_logprobs" else ref), record.raw_logprobs
+        elif record.behavior_logprobs is not None and self.behavior:
+            trainer, sampler = mu, record.behavior_logprobs
+        else:
+            return None
+        model = record.model_tokens()
+        return trainer[model], sampler[model]
 
     def to_json(self) -> dict[str, Any]:
         return {"raw_logprobs": self.raw, "behavior_logprobs": "mu_logprobs" if self.behavior else None}

@@ -39,16 +39,21 @@ def token_monitors(logp: jax.Array, entropy: jax.Array, mask: jax.Array,
                    record_mask: jax.Array, *, logmu: jax.Array | None = None,
                    logref: jax.Array | None = None) -> dict[str, tuple[jax.Array, jax.Array]]:
     """name -> (Σ over weighted tokens, Σ weights); arrays are [R, T] per record, `record_mask`
-    [R]; gradients stopped."""
+    [R]; gradients stopped. A token of weight 0 (prompt, padding, an episode's environment
+    tokens) is never read, not even an inf or NaN held there (`where`, not a product)."""
     sg = jax.lax.stop_gradient
     weights = mask * record_mask[:, None]
     count = jnp.sum(weights)
     logp = sg(logp)
-    out = {"entropy": (jnp.sum(sg(entropy) * weights), count)}
+
+    def total(values: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(weights > 0, values, 0.0) * weights)
+
+    out = {"entropy": (total(sg(entropy)), count)}
     if logmu is not None:
-        out["kl/mu_k3"] = (jnp.sum(k3(logp - logmu) * weights), count)
+        out["kl/mu_k3"] = (total(k3(logp - logmu)), count)
     if logref is not None:
-        out["kl/ref_k3"] = (jnp.sum(k3(logref - logp) * weights), count)
+        out["kl/ref_k3"] = (total(k3(logref - logp)), count)
     return out
 
 

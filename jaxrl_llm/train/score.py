@@ -24,6 +24,10 @@ When the sampler's log-probs are present the sampler-vs-trainer mismatch is repo
 (`train.mismatch`: per-token |Δ log p| and |Δp|, k3 KL, χ², ESS, Pearson correlation of
 the log-probs) over all processes' records, identical on every process, and written to the
 output manifest; `max_mismatch` flags or drops sequences beyond a bound.
+
+Multi-turn episodes (`Record.action_mask`): the forward pass runs over the whole sequence, so
+environment and tool tokens are context, but μ and π_ref are written at model tokens only
+(0.0 at environment tokens), and the mismatch counts model tokens only.
 """
 from __future__ import annotations
 

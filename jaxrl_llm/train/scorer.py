@@ -182,6 +182,9 @@ def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
 
     `records` (possibly none: an all-padding batch keeps processes in lockstep) are padded to
     `batch_size` rows of `length` tokens (default: the power-of-two bucket of the longest).
+    The forward pass reads every token, so an episode's environment tokens are context for the
+    model tokens after them; the log-probs are kept at model tokens only (`action_mask` 1),
+    0.0 at environment tokens, which are never actions (data/records.py).
     """
     rows = [record_row(r) for r in records]
     if length is None:
@@ -191,5 +194,6 @@ def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
     out = []
     for i, r in enumerate(records):
         span = slice(r.prompt_ids.size - 1, r.prompt_ids.size - 1 + r.completion_ids.size)
-        out.append((mu[i, span].astype(np.float32), ref[i, span].astype(np.float32)))
+        model = r.model_tokens()
+        out.append(tuple(np.where(model, x[i, span], 0.0).astype(np.float32) for x in (mu, ref)))
     return out

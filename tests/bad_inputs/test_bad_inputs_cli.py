@@ -86,6 +86,20 @@ def _inf_reward(r):
     r[35].reward = float("inf")
 
 
+def _episode(r, mask):
+    """A multi-turn episode (data/records.py `action_mask`) of 5 tokens with `mask`, its
+    log-probs 0.0 wherever the mask is not 1."""
+    r[35].completion_ids = np.asarray([3, 4, 5, 6, 7], np.int32)
+    lp = np.where(np.resize(np.asarray(mask), 5) == 1, -0.5, 0.0).astype(np.float32)
+    r[35].behavior_logprobs, r[35].mu_logprobs = lp, lp.copy()
+    r[35].action_mask = np.asarray(mask)
+
+
+def _logprob_at_environment_token(r):
+    _episode(r, [1, 1, 0, 0, 1])
+    r[35].mu_logprobs[2] = -1.25
+
+
 # (what, mutation, texts the message must name); record 35 = the last shard's index 15, so a
 # lazy reader would have trained on the first batches before meeting it.
 RECORD_CASES = [
@@ -96,6 +110,16 @@ RECORD_CASES = [
     ("empty completion", _empty, [f"{SHARD}[15]", "completion_ids is empty"]),
     ("overlong sequence", _overlong, [f"{SHARD}[15]", "train.max_seq_len"]),
     ("non-finite reward", _inf_reward, [f"{SHARD}[15]", "reward"]),
+    ("action mask of the wrong length", lambda r: _episode(r, [1, 0, 1]),
+     [f"{SHARD}[15]", "action_mask", "shape (3,)", "5 tokens"]),
+    ("action mask holding a value other than 0/1", lambda r: _episode(r, [1, 1, 2, 0, 1]),
+     [f"{SHARD}[15]", "action_mask", "holds 2 at token 2", "expected 0/1"]),
+    ("action mask with no model token", lambda r: _episode(r, [0, 0, 0, 0, 0]),
+     [f"{SHARD}[15]", "action_mask", "marks no model token"]),
+    ("action mask starting with an environment token", lambda r: _episode(r, [0, 1, 1, 0, 1]),
+     [f"{SHARD}[15]", "action_mask", "starts with an environment token"]),
+    ("log-prob at an environment token", _logprob_at_environment_token,
+     [f"{SHARD}[15]", "mu_logprobs", "environment token 2", "stored as 0.0"]),
 ]
 
 
