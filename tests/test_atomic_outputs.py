@@ -239,6 +239,10 @@ ALLOWED = {
     ("generate/vllm_host.py", "open"): "the host's lock file (flock, holds a pid) and its "
     "append-only log",
     ("core/paths.py", "write_text"): "append_text on a remote object (objects appear whole)",
+    ("envs/sandbox.py", "write_text"): "the Python tool's code, into the run's own temporary "
+    "directory (removed after the run)",
+    ("envs/sandbox.py", "open"): "the Python tool's captured stdout/stderr, in the run's own "
+    "temporary directory (removed after the run)",
     ("train/checkpoint.py", "write_bytes"): "an item's file (the online queue) inside the "
     "Orbax step's temporary directory, committed with the step or not at all",
 }

@@ -185,7 +185,8 @@ def test_losses_is_a_leaf_and_models_imports_only_parallel_and_errors() -> None:
 
 
 @pytest.mark.parametrize("package", ["core", "config", "losses", "models", "weights", "sampling",
-                                     "parallel", "data", "tasks", "generate", "train", "policy",
+                                     "parallel", "data", "tasks", "envs", "generate", "train",
+                                     "policy",
                                      "eval", "online", "flows", "plan", "commands"])
 def test_docs_module_map_lists_exactly_the_imports(package: str) -> None:
     documented = documented_dependencies()

@@ -4,8 +4,8 @@ Every section is a pydantic model with `extra="forbid"`, so an unknown key or a 
 wrong type fails at load time with a `ConfigError` that names the dotted key and the file (or
 the override) it came from. Each section lives in the module named for its owner (`model.py`
 for the opener and weights loader, `loss.py` built from the loss registry, `train.py` for
-`optim`/`mesh`/`train`/`metrics`, `data.py`, `generate.py`, `eval.py`, `plan.py`; `base.py`
-holds `Section`); this module holds the experiment config that gathers them and the loaders.
+`optim`/`mesh`/`train`/`metrics`, `data.py`, `generate.py`, `eval.py`, `plan.py`, `env.py`;
+`base.py` holds `Section`); this module holds the experiment config that gathers them and the loaders.
 The defaults are the papers' (paper sections cited per field).
 """
 
@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 # The sections, each in the module of its owner's name; all importable from here.
 from jaxrl_llm.config.base import Section
 from jaxrl_llm.config.data import DataConfig
+from jaxrl_llm.config.env import EnvConfig
 from jaxrl_llm.config.eval import EvalConfig
 from jaxrl_llm.config.generate import GenerateConfig
 from jaxrl_llm.config.io import dump_config, parse_override, read_tree, validate_tree  # noqa: F401 (re-exported)
@@ -48,6 +49,7 @@ class ExperimentConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
 
     @model_validator(mode="after")
     def _pack_needs_unpaired_loss(self) -> ExperimentConfig:

@@ -48,26 +48,27 @@ class TaskNotFound(KeyError):
 TASK_METHODS = ("load", "prompt", "score", "score_many", "gold_completion", "metrics")
 
 
-def resolve_import_path(target: str) -> Any:
-    """The object `module.sub:attr.sub` names; a `TaskNotFound` naming what is missing."""
+def resolve_import_path(target: str, what: str = "task") -> Any:
+    """The callable `module.sub:attr.sub` names; a `TaskNotFound` naming what is missing
+    (`what`: the kind of object, for the message — a task, an environment, a tool parser)."""
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise TaskNotFound(f"task import path {target!r} is not of the form "
+        raise TaskNotFound(f"{what} import path {target!r} is not of the form "
                            "'package.module:factory'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
-        raise TaskNotFound(f"task import path {target!r}: cannot import module "
+        raise TaskNotFound(f"{what} import path {target!r}: cannot import module "
                            f"{module_name!r} ({err}); install it or put it on PYTHONPATH"
                            ) from err
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise TaskNotFound(f"task import path {target!r}: module {module_name!r} has no "
+            raise TaskNotFound(f"{what} import path {target!r}: module {module_name!r} has no "
                                f"attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TaskNotFound(f"task import path {target!r}: {attr!r} is not callable (give a "
-                           "Task subclass or a function returning a Task)")
+        hint = " (give a Task subclass or a function returning a Task)" if what == "task" else ""
+        raise TaskNotFound(f"{what} import path {target!r}: {attr!r} is not callable{hint}")
     return obj
 
 
