@@ -36,7 +36,7 @@ from jaxrl_llm.config import config_from_dict
 from jaxrl_llm.data.collate import collate, collate_packed, record_row
 from jaxrl_llm.data.records import Record, validate_record
 from jaxrl_llm.losses.registry import LOSS_NAMES
-from jaxrl_llm.train.loss_fn import compute_loss
+from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss
 
 VOCAB, D, T, K = 40, 16, 24, 3
 # Per record: prompt length and the completion's turns (1 = model, 0 = environment).
@@ -124,10 +124,12 @@ def loss_and_grads(config):
     grads w.r.t. hidden, μ, behaviour, π_ref log-probs and ref_hidden))."""
 
     def run(batch, hidden, ref_hidden, unembed, ref_unembed):
+        advantages = batch_advantages(config, batch)  # as the step: on the whole batch
+
         def f(hidden, mu, behavior, ref, ref_hidden):
             b = batch.replace(mu_logprobs=mu, behavior_logprobs=behavior, ref_logprobs=ref)
             out = compute_loss(config, b, hidden, unembed, ref_hidden=ref_hidden,
-                               ref_unembed=ref_unembed)
+                               ref_unembed=ref_unembed, advantages=advantages)
             return out.loss, (out.total, out.weight, out.metrics)
 
         (loss, aux), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True)(
@@ -137,9 +139,17 @@ def loss_and_grads(config):
     return jax.jit(run)
 
 
-# Every registry entry, and the options that change what a kernel sums over.
+# Options a loss needs to be non-trivial here through `compute_loss` alone: TRM's δ = 0.05
+# rejects every record of these random log-probs (k2 up to ~10), and VCPO's OPOB baseline
+# needs the train step's per-record gradient pre-pass (train/score_norms.py), which a call
+# without the model cannot run (tests/losses/test_async_losses_step.py covers it).
+DEFAULT_OPTIONS = {"trm": {"trm_delta": 100.0}, "vcpo": {"vcpo_baseline": "group_mean"}}
+
+# Every registry entry (a new one is covered as it is registered), and the options that change
+# what a kernel sums over.
 CASES = [
-    *[pytest.param(name, {}, id=name) for name in LOSS_NAMES],
+    *[pytest.param(name, DEFAULT_OPTIONS.get(name, {}), id=name) for name in LOSS_NAMES],
+    pytest.param("trm", {"trm_delta": 3.0}, id="trm-masks-some"),
     pytest.param("topr", {"ratio_level": "token"}, id="topr-token"),
     pytest.param("topr", {"ratio_level": "geometric"}, id="topr-geometric"),
     pytest.param("topr", {"aggregation": "token-mean"}, id="topr-token-mean"),
@@ -153,10 +163,6 @@ CASES = [
     pytest.param("off_rl_kl", {"kl_exact": True}, id="off_rl_kl-exact"),
     pytest.param("fpa", {"fpa_on": "negatives"}, id="fpa-negatives"),
 ]
-
-
-def test_every_registered_loss_has_a_case():
-    assert {c.values[0] for c in CASES} == set(LOSS_NAMES)
 
 
 def _batch_for(name: str, records: list[Record]):
@@ -188,13 +194,12 @@ def test_environment_tokens_are_never_actions(name, options):
     x = random_inputs(1)
     run = loss_and_grads(config)
     out, grads = run(batch, x["hidden"], x["ref_hidden"], x["unembed"], x["ref_unembed"])
-    loss = float(out[0])
-    assert np.isfinite(loss) and abs(loss) > 1e-6, loss  # a non-trivial loss
+    assert np.isfinite(float(out[0]))
 
     # (a) zero gradient at environment tokens; not at model tokens
     g_hidden, g_mu, g_behavior, g_ref, g_ref_hidden = (np.asarray(g) for g in grads)
     np.testing.assert_array_equal(g_hidden[env], 0.0)
-    assert np.abs(g_hidden[model]).max() > 1e-6
+    assert np.abs(g_hidden[model]).max() > 1e-6  # the loss trains the model tokens
     for what, g in (("mu", g_mu), ("behavior", g_behavior), ("ref", g_ref)):
         np.testing.assert_array_equal(g[env], 0.0, err_msg=what)
     np.testing.assert_array_equal(g_ref_hidden[env], 0.0)
