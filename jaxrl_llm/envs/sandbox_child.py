@@ -13,10 +13,11 @@ does not stop. Standard library only: `-I -S` gives no site-packages and no user
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import resource
-import runpy
 import sys
 import threading
 import traceback
@@ -126,11 +127,10 @@ def make_hook(workdir: str, read_roots: tuple[str, ...]):
 
 
 def _print_user_traceback(err: BaseException) -> None:
-    """The traceback of the model's own frames (not this launcher's, nor runpy's)."""
+    """The traceback of the model's own frames (not this launcher's, nor the importer's)."""
     summary = traceback.TracebackException(type(err), err, err.__traceback__)
     summary.stack = traceback.StackSummary.from_list(
-        [f for f in summary.stack
-         if f.filename not in (__file__, runpy.__file__) and not f.filename.startswith("<frozen")])
+        [f for f in summary.stack if f.filename != __file__ and not f.filename.startswith("<frozen")])
     print("".join(summary.format()), end="", file=sys.stderr)
 
 
@@ -144,8 +144,12 @@ def main() -> int:
     sys.argv = [main_path]
     sys.path[:0] = [workdir]
     sys.addaudithook(make_hook(workdir, read_roots))  # from here on nothing can remove it
+    # main.py runs as this process's __main__ module, as `python main.py` would run it.
+    loader = importlib.machinery.SourceFileLoader("__main__", main_path)  # relative path kept
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("__main__", loader))
+    sys.modules["__main__"] = module
     try:
-        runpy.run_path(main_path, run_name="__main__")
+        loader.exec_module(module)
     except SystemExit as err:
         code = err.code
         return code if isinstance(code, int) else (0 if code is None else 1)
