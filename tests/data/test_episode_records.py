@@ -277,3 +277,54 @@ def test_pkpo_transforms_episode_rewards_and_keeps_the_episodes(tmp_path):
         assert r.reward == pytest.approx(want[r.group_id, r.raw_reward], rel=1e-5, abs=1e-6)
         np.testing.assert_array_equal(r.action_mask, ACTION)
         assert r.metadata == episode().metadata
+
+
+# -- a real episode: envs.EpisodeRunner's record -------------------------------------------------
+
+
+def test_a_calculator_episode_record_is_valid_shown_and_counted(tmp_path, capsys):
+    """The record `EpisodeRunner.finish` writes for a calculator episode with a good call and
+    three bad ones passes validation and the shard writer, and shows and counts its turns."""
+    from jaxrl_llm.envs.calculator import CalculatorEnv
+    from jaxrl_llm.envs.episodes import EpisodeRunner
+    from jaxrl_llm.envs.render import TurnRenderer
+    from jaxrl_llm.tasks.arithmetic import ArithmeticTask
+    from tests.envs.helpers import qwen_tokenizer
+
+    task = ArithmeticTask()
+    env = CalculatorEnv(task=task)
+    renderer = TurnRenderer(qwen_tokenizer(), chat_template=True, tools=env.tools())
+    runner = EpisodeRunner(env, renderer, max_turns=4, max_episode_tokens=1024, timeout_s=30,
+                           workers=2)
+    prob = task.load(num=3)[2]
+    expression = prob.question.removeprefix("What is ").removesuffix("?")
+    episode = runner.begin(prob)
+    for text in (f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}'
+                 "</tool_call>",
+                 '<tool_call>{"name": "abacus", "arguments": {}}</tool_call><tool_call>{oops}'
+                 "</tool_call>",
+                 f"The answer is {prob.answer}."):
+        ids = list(renderer.tokenizer.encode(text, add_special_tokens=False))
+        ids.append(renderer.end_of_turn_id)
+        runner.submit(episode, ids, [-0.1] * len(ids), True).result(timeout=60)
+    rec = runner.finish(episode)
+    write_records(tmp_path / "recs", [rec], vocab_size=len(renderer.tokenizer))
+    back = read_records(tmp_path / "recs")[0]
+    model = back.action_mask == 1
+    assert 0 < model.sum() < model.size
+    row = record_row(back)
+    start = back.prompt_ids.size - 1
+    np.testing.assert_array_equal(row["loss_mask"][start:], model)
+    np.testing.assert_array_equal(row["behavior_logprobs"][start:][~model], 0.0)
+
+    assert main(["data", "show", str(tmp_path / "recs")]) == 0
+    out = capsys.readouterr().out
+    assert "3 model turns, 3 tool calls\n" in out
+    assert f'tool call: calculator({{"expression": "{expression}"}}) -> {prob.answer}\n' in out
+    assert "tool call: abacus({}) -> error: unknown tool 'abacus'" in out
+    assert "tool call: error: tool call 2: malformed JSON" in out
+    assert out.count("--- model turn ") == 3 and out.count("--- environment turn ") == 3
+    assert main(["data", "stats", str(tmp_path / "recs")]) == 0
+    episodes = json.loads(capsys.readouterr().out)["episodes"]
+    assert episodes["turns_per_episode"]["mean"] == 3 and episodes["tool_calls_per_episode"]["mean"] == 3
+    assert episodes["model_tokens_per_episode"]["mean"] == model.sum()
