@@ -35,8 +35,10 @@ class ModelConfig(Section):
     path: str | None = Field(None, description="HF directory or GGUF file for source hf/gguf, "
                              "or a Hugging Face Hub id (org/name) for source hf")
     revision: str | None = Field(None, description="hub revision (branch, tag, commit) of a hub id")
-    # random models: the decoder family (pretrained sources read theirs)
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"] = "llama"
+    # random models: the decoder family (pretrained sources read theirs); qwen3_moe, mixtral
+    # and qwen2_moe are mixtures of experts (models/moe.py: set num_experts and its keys)
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral",
+                    "qwen2_moe"] = "llama"
     # Architecture of a random-init model (ignored when loading weights, which carry their own).
     vocab_size: int = Field(512, gt=0)  # random models: vocabulary size
     hidden_size: int = Field(128, gt=0)  # random models: hidden width d
@@ -81,6 +83,29 @@ class ModelConfig(Section):
         "no weight copy, a faster compile), auto: scanned on TPU, else unrolled; needs "
         "scan_layers for scanned")
     lora: LoraConfig | None = None  # None: full fine-tuning
+    # random models: experts per layer of a mixture-of-experts family (qwen3_moe, mixtral,
+    # qwen2_moe; models/moe.py); 0: a dense MLP
+    num_experts: int = Field(0, ge=0)
+    num_experts_per_tok: int = Field(0, ge=0)  # random models: top-k experts of each token
+    # random models: each expert's MLP width; null = intermediate_size
+    moe_intermediate_size: int | None = Field(None, gt=0)
+    # random models: renormalise the top-k router probabilities (Mixtral always does)
+    norm_topk_prob: bool = True
+    # random models: qwen2_moe's sigmoid-gated shared expert's width (> 0 for it, 0 otherwise)
+    shared_expert_intermediate_size: int = Field(0, ge=0)
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, description="weight of the load-balancing loss (Switch Transformer, "
+        "arXiv:2101.03961 eq. 4, pooled over layers as transformers computes it) added to the "
+        "train loss and logged as loss/router_aux_loss; null: the weights file's "
+        "router_aux_loss_coef (0.001 for random models)")
+    router_z_loss_coef: float = Field(
+        0.0, ge=0, description="weight of the router z-loss (ST-MoE, arXiv:2202.08906 eq. 5) "
+        "added to the train loss and logged as loss/router_z_loss; Qwen3-MoE and Mixtral "
+        "train without one (0)")
+    # how tokens reach experts split over mesh.expert (models/moe_dispatch.py): all_gather
+    # (gather the expert group's tokens, reduce-scatter the outputs) or all_to_all (static
+    # worst-case buffers: k times the traffic, kept to measure against)
+    moe_dispatch: Literal["all_gather", "all_to_all"] = "all_gather"
     # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU;
     # ring: with mesh.context > 1, keys/values passed round the context axis instead of
     # all-gathered (models/ring.py; jnp math, one ring step's scores live at a time, in the
@@ -107,6 +132,19 @@ class ModelConfig(Section):
             from jaxrl_llm.weights.loading import check_rope_scaling
 
             check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        return self
+
+    @model_validator(mode="after")
+    def _experts_fit(self) -> ModelConfig:
+        moe = self.family in ("qwen3_moe", "mixtral", "qwen2_moe")
+        if self.source == "random" and moe and not 1 <= self.num_experts_per_tok <= max(
+                self.num_experts, 1):
+            raise ValueError(
+                f"model.num_experts_per_tok={self.num_experts_per_tok} (top-k) must be between "
+                f"1 and model.num_experts={self.num_experts} for model.family={self.family}")
+        if self.source == "random" and not moe and self.num_experts:
+            raise ValueError(f"model.num_experts={self.num_experts} is set but model.family="
+                             f"{self.family} is dense: use qwen3_moe, mixtral or qwen2_moe")
         return self
 
     @model_validator(mode="after")

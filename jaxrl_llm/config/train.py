@@ -45,6 +45,9 @@ class MeshConfig(Section):
     # keys/values all-gathered in attention; docs/plan.md § Context parallelism).
     # 2 × context must divide train.max_seq_len (and every data.buckets length).
     context: int = Field(1, gt=0)
+    # expert-parallel axis: a mixture of experts' experts split over it (it must divide the
+    # model's experts) and, outside the experts, the batch's rows (models/moe_dispatch.py)
+    expert: int = Field(1, gt=0)
 
 
 class TrainConfig(Section):

@@ -61,7 +61,7 @@ from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.models.layers import attention_mask, dot_product_attention
 from jaxrl_llm.models.ring import ring_attention
 from jaxrl_llm.parallel.context import inverse_order
-from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, context_shards
+from jaxrl_llm.parallel.mesh import CONTEXT_AXIS, batch_axes, batch_shards, context_shards
 from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, logical_to_mesh_spec
 
 Array = jax.Array
@@ -303,10 +303,7 @@ def _splash(q, k, v, seg, *, scale, logit_softcap, window, order=None):
     mesh = _MESH.get()
     if mesh is None or mesh.size == 1:
         return local(q, k, v, seg)
-    shards = 1
-    for axis in BATCH_AXES:
-        shards *= mesh.shape.get(axis, 1)
-    rows = BATCH_AXES if q.shape[0] % shards == 0 else None
+    rows = batch_axes(mesh) if q.shape[0] % batch_shards(mesh) == 0 else None
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and k.shape[2] % tensor == 0 else None
     qkv = P(rows, None, heads, None)

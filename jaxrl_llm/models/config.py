@@ -2,7 +2,8 @@
 
 Llama, Mistral, Qwen2, Qwen3, SmolLM2 (a Llama) and Gemma 2 differ only in a handful of flags
 (biases, q/k norms, sliding windows, soft-caps, norm style, activation), so one frozen
-dataclass describes them all. `from_hf` / `to_hf` translate a Hugging Face `config.json`
+dataclass describes them all; the mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE)
+add the expert fields (`num_experts` > 0: every layer's MLP is routed, models/moe.py). `from_hf` / `to_hf` translate a Hugging Face `config.json`
 dict in both directions; anything we do not implement is an error naming the field, never a
 silently different model.
 """
@@ -21,13 +22,15 @@ from flax.core import FrozenDict
 from jaxrl_llm.models.hf_config import (  # noqa: F401 (re-exported: the HF tables, the error)
     ARCHITECTURES,
     FAMILIES,
+    MOE_FAMILIES,
     SUPPORTED_ROPE_TYPES,
     UnsupportedConfigError,
     fields_from_hf,
     hf_config_dict,
 )
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral",
+                 "qwen2_moe"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -128,6 +131,19 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # ---- mixture of experts (models/moe.py); num_experts = 0: a dense MLP ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int | None = None  # each expert's MLP width
+    # Qwen3-MoE/Qwen2-MoE: renormalise the top-k probabilities to sum to 1 (Mixtral: always)
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert
+    # Coefficients of the load-balancing loss (Switch, arXiv:2101.03961 eq. 4) and of the
+    # router z-loss (ST-MoE, arXiv:2202.08906 eq. 5) added to the train loss.
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+    # How tokens reach experts sharded over a mesh's "expert" axis (models/moe_parallel.py).
+    moe_dispatch: str = "all_gather"
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -206,12 +222,54 @@ class DecoderConfig:
             raise UnsupportedConfigError("layer_types has sliding_attention but no sliding_window")
         if isinstance(self.eos_token_id, list):
             set_("eos_token_id", tuple(self.eos_token_id))
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The expert fields: set for the MoE families (`MOE_FAMILIES`), unset otherwise."""
+        e, k = self.num_experts, self.num_experts_per_tok
+        if self.family not in MOE_FAMILIES:
+            if e or k or self.shared_expert_intermediate_size:
+                raise UnsupportedConfigError(
+                    f"num_experts={e} / num_experts_per_tok={k} are set but family="
+                    f"{self.family!r} is dense; the mixture-of-experts families are "
+                    f"{MOE_FAMILIES}")
+            return
+        if e < 1:
+            raise UnsupportedConfigError(f"family={self.family!r} needs num_experts >= 1 "
+                                         f"(got {e})")
+        if not 1 <= k <= e:
+            raise UnsupportedConfigError(
+                f"num_experts_per_tok={k} (top-k) must be between 1 and num_experts={e}")
+        if self.moe_intermediate_size is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+        if self.moe_intermediate_size < 1:
+            raise UnsupportedConfigError(
+                f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+        if self.family == "mixtral" and not self.norm_topk_prob:
+            raise UnsupportedConfigError("family='mixtral' always renormalises its top-k "
+                                         "probabilities: norm_topk_prob must be true")
+        if (self.shared_expert_intermediate_size > 0) != (self.family == "qwen2_moe"):
+            raise UnsupportedConfigError(
+                f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: a "
+                "shared expert is what family='qwen2_moe' has (> 0), and only it")
+        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+            raise UnsupportedConfigError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef} and router_z_loss_coef="
+                f"{self.router_z_loss_coef} must be >= 0")
+        if self.moe_dispatch not in ("all_gather", "all_to_all"):
+            raise UnsupportedConfigError(
+                f"moe_dispatch={self.moe_dispatch!r} is not one of 'all_gather', 'all_to_all'")
 
     # ---- derived properties -------------------------------------------------------------
     @property
     def is_gemma(self) -> bool:
         """Gemma 2 style: (1+w) RMSNorm, post-norms, sqrt(d)-scaled embeddings."""
         return self.family == "gemma2"
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a routed mixture of experts (models/moe.py)."""
+        return self.num_experts > 0
 
     @property
     def param_jnp_dtype(self) -> Any:

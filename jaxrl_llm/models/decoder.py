@@ -38,7 +38,7 @@ from jaxrl_llm.models.attention import (
     self_attention,
 )
 from jaxrl_llm.models.config import DecoderConfig
-from jaxrl_llm.models.decoder_block import REMAT_POLICIES, Block, block_forward
+from jaxrl_llm.models.decoder_block import REMAT_POLICIES, Block, layer_forward
 from jaxrl_llm.models.kv_cache import KVCache, empty_cache, fused_decode_params, per_layer
 from jaxrl_llm.models.layer_scan import LayerGradAccumulator, accumulating_layer_scan
 from jaxrl_llm.models.layers import (
@@ -52,6 +52,7 @@ from jaxrl_llm.models.layers import (
     rope_inv_freq,
     softcap,
 )
+from jaxrl_llm.models.moe import MoeAux, MoeStats, finish_aux
 from jaxrl_llm.parallel.context import load_balance_order
 
 Array = jax.Array
@@ -133,8 +134,17 @@ class Decoder(nnx.Module):
         layer_params: Any = None,
         grad_accumulator: LayerGradAccumulator | None = None,
         context_order: int = 1,
-    ) -> Array | tuple[Array, KVCache]:
-        """Hidden states [B, T, d] after the final norm; `(hidden, new_cache)` with a cache.
+        routing: Array | None = None,
+        return_moe: bool = False,
+    ) -> Any:
+        """Hidden states [B, T, d] after the final norm; `(hidden, new_cache)` with a cache;
+        with `return_moe` (a mixture of experts) a `moe.MoeAux` after them:
+        `(hidden, aux)` / `(hidden, new_cache, aux)`.
+
+        routing [L, B, T, k] (a mixture of experts): replay these experts in every layer,
+        their gates recomputed from the current routers (`moe.moe_forward`), as returned in
+        `MoeAux.routing` (in the rows' token order, the load-balanced one under context
+        parallelism).
 
         context_order: (no cache) c > 1 says the rows' tokens are in the load-balanced order
         of c context shards (`parallel.context.load_balance_order`): causality compares the
@@ -146,6 +156,12 @@ class Decoder(nnx.Module):
         through `layer_scan.accumulating_layer_scan`: their gradient is this plus the gradient."""
         c = self.config
         assert grad_accumulator is None or (cache is None and c.scan_layers), "scan_layers only"
+        if (routing is not None or return_moe) and not c.is_moe:
+            raise ValueError(f"routing / return_moe: family={c.family!r} has no experts")
+        if grad_accumulator is not None and c.is_moe:  # its scan carries no router sums
+            raise ValueError("the in-scan gradient accumulator does not run mixtures of experts")
+        if routing is not None:
+            chex.assert_shape(routing, (c.num_layers, *tokens.shape, c.num_experts_per_tok))
         assert context_order == 1 or cache is None, "context parallelism has no KV cache"
         chex.assert_rank(tokens, 2)
         b, t = tokens.shape
@@ -198,7 +214,9 @@ class Decoder(nnx.Module):
             for kind in set(sliding)
         }
 
-        def layer(p, x, is_sliding, kv, layer_index=0):
+        token_mask = (segment_ids != 0).astype(jnp.float32)
+
+        def layer(p, x, is_sliding, kv, layer_index=0, layer_routing=None):
             if not masks:
                 mask = functools.partial(
                     self_attention, segment_ids=segment_ids, scale=c.attn_scale,
@@ -216,7 +234,8 @@ class Decoder(nnx.Module):
                 mask = lambda q, k, v: dot_product_attention(
                     q, gather_sequence(k), gather_sequence(v), explicit, scale=c.attn_scale,
                     logit_softcap=c.attn_logit_softcap)
-            return block_forward(p, x, cos, sin, mask, kv, cache_index, c, layer_index)
+            return layer_forward(p, x, cos, sin, mask, kv, cache_index, c, layer_index,
+                                 token_mask, layer_routing)
 
         params = self.pure_layer_params() if layer_params is None else layer_params
         # With a cache: scanned only over a stacked cache (`stacked_decode`, models/kv_cache.py).
@@ -236,6 +255,7 @@ class Decoder(nnx.Module):
                 remat_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
             else:  # unrolled: `is_sliding` is a Python value, static
                 remat_layer = jax.checkpoint(layer, policy=policy, static_argnums=(2,))
+        stats = None  # MoE: every layer's `MoeStats`, stacked on a leading [L] axis
 
         if grad_accumulator is not None:  # recomputes each layer in its own backward pass
             mesh = current_mesh()  # the backward pass is traced outside the caller's context
@@ -249,33 +269,41 @@ class Decoder(nnx.Module):
         elif scanned:
 
             def body(x, xs):
-                p, is_sliding = xs
-                return remat_layer(p, x, is_sliding, None)[0], None
+                p, is_sliding, r = xs
+                x, _, s = remat_layer(p, x, is_sliding, None, 0, r)
+                return x, s
 
-            x, _ = jax.lax.scan(body, x, (params, layer_xs))
+            x, stats = jax.lax.scan(body, x, (params, layer_xs, routing))
         elif stacked:  # decoding under the layer scan, the stacked cache in the carry
 
             def cached_body(carry, xs):
                 x, kv = carry
-                p, is_sliding, index = xs
-                return layer(p, x, is_sliding, kv, index), None
+                p, is_sliding, index, r = xs
+                x, kv, s = layer(p, x, is_sliding, kv, index, r)
+                return (x, kv), s
 
             indices = jnp.arange(c.num_layers, dtype=jnp.int32)
-            (x, kv), _ = jax.lax.scan(cached_body, (x, kv), (params, layer_xs, indices))
+            (x, kv), stats = jax.lax.scan(cached_body, (x, kv),
+                                          (params, layer_xs, indices, routing))
         else:
-            new_k, new_v = [], []
+            new_k, new_v, per_layer_stats = [], [], []
             for i, p in enumerate(params):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-                x, layer_kv = remat_layer(p, x, sliding[i], layer_kv)
+                r = None if routing is None else routing[i]
+                x, layer_kv, s = remat_layer(p, x, sliding[i], layer_kv, 0, r)
+                per_layer_stats.append(s)
                 if layer_kv is not None:
                     new_k.append(layer_kv[0])
                     new_v.append(layer_kv[1])
             if kv is not None:
                 kv = (tuple(new_k), tuple(new_v))
+            if c.is_moe:
+                stats = MoeStats(*(jnp.stack(parts) for parts in zip(*per_layer_stats)))
 
         hidden = rms_norm(x, self.final_norm.scale[...], eps=c.rms_norm_eps, gemma=c.is_gemma)
+        aux: tuple[MoeAux, ...] = (finish_aux(stats, c.num_experts),) if return_moe else ()
         if cache is None:
-            return hidden
+            return (hidden, *aux) if aux else hidden
         new_cache = KVCache(
             k=kv[0],
             v=kv[1],
@@ -284,7 +312,7 @@ class Decoder(nnx.Module):
             index=cache.index + t,
             lengths=cache.lengths + jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32),
         )
-        return hidden, new_cache
+        return (hidden, new_cache, *aux)
 
 
 def logical_axes(model: nnx.Module) -> Any:

@@ -13,14 +13,22 @@ from typing import Any
 
 from jaxrl_llm.core.errors import ModelFileError
 
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+# Mixture-of-experts families (models/moe.py): every layer's MLP is a routed set of experts.
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", *MOE_FAMILIES)
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+# The dense family whose attention each MoE family shares (q/k norms, biases, windows).
+ATTENTION_OF: dict[str, str] = {"qwen3_moe": "qwen3", "mixtral": "mistral",
+                                "qwen2_moe": "qwen2"}
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 # HF config keys we read, per family (everything else is either harmless metadata we ignore
 # or in `_REJECT_IF_SET`).
@@ -86,12 +94,13 @@ def fields_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> dic
                                                                     2048))
     rope_scaling = None if rope_type == "default" else rope
 
+    attn_family = ATTENTION_OF.get(model_type, model_type)
     attention_bias = bool(hf.get("attention_bias", False))
-    qkv_bias = model_type == "qwen2" or attention_bias
-    o_bias = attention_bias and model_type != "qwen2"
+    qkv_bias = attention_bias or (attn_family == "qwen2" and bool(hf.get("qkv_bias", True)))
+    o_bias = attention_bias and attn_family != "qwen2"
     sliding_window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "llama"):
+    if attn_family in ("qwen2", "qwen3", "llama"):
         # Qwen configs always carry a sliding_window value, used only with
         # use_sliding_window=True (rejected above); Llama has none.
         sliding_window = None
@@ -99,7 +108,7 @@ def fields_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> dic
             raise fail(f"layer_types={layer_types!r}: only full_attention is supported "
                        f"for {model_type}")
         layer_types = None
-    elif model_type == "mistral":
+    elif attn_family == "mistral":
         layer_types = None
     elif model_type == "gemma2" and layer_types is None:
         # HF's Gemma 2 default: even layers local (sliding), odd layers global.
@@ -121,7 +130,7 @@ def fields_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> dic
         tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=attn_family == "qwen3",
         sliding_window=sliding_window,
         layer_types=tuple(layer_types) if layer_types else None,
         attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
@@ -133,7 +142,42 @@ def fields_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> dic
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
     )
+    if model_type in MOE_FAMILIES:
+        fields.update(moe_fields_from_hf(hf, model_type, fail))
     return fields
+
+
+def moe_fields_from_hf(hf: Mapping[str, Any], model_type: str,
+                       fail: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields of a MoE family's config.json (`MOE_FAMILIES`)."""
+    # Qwen3-MoE's hub files say num_experts, transformers 5 writes num_local_experts.
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise fail(f"model_type={model_type!r} needs num_experts (or num_local_experts)")
+    if model_type != "mixtral":
+        # Dense MLP layers between the MoE ones: not implemented (every layer is MoE here).
+        if hf.get("mlp_only_layers"):
+            raise fail(f"field mlp_only_layers={hf['mlp_only_layers']!r} is not supported "
+                       "(only [] : every layer a mixture of experts)")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            raise fail(f"field decoder_sparse_step={hf['decoder_sparse_step']!r} is not "
+                       "supported (only 1: every layer a mixture of experts)")
+    if hf.get("router_jitter_noise", 0.0):
+        raise fail(f"field router_jitter_noise={hf['router_jitter_noise']!r} is not "
+                   "supported (only 0.0)")
+    out: dict[str, Any] = dict(
+        num_experts=experts,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+    if model_type == "mixtral":  # each expert is intermediate_size wide; top-k always renormalised
+        out.update(moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    else:
+        out.update(moe_intermediate_size=hf["moe_intermediate_size"],
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = hf["shared_expert_intermediate_size"]
+    return out
 
 
 def hf_config_dict(config: Any, *, dtype: str | None = None) -> dict[str, Any]:
@@ -183,14 +227,30 @@ def hf_config_dict(config: Any, *, dtype: str | None = None) -> dict[str, Any]:
         )
     else:
         hf["hidden_act"] = "silu"
-        if config.family in ("llama", "qwen3"):
+        attn_family = ATTENTION_OF.get(config.family, config.family)
+        if attn_family in ("llama", "qwen3"):
             hf["attention_bias"] = config.qkv_bias
         if config.family == "llama":
             hf["mlp_bias"] = False
-        if config.family == "mistral":
+        if attn_family == "mistral":
             hf["sliding_window"] = config.sliding_window
-        if config.family in ("qwen2", "qwen3"):
+        if attn_family in ("qwen2", "qwen3"):
             hf.update(use_sliding_window=False, sliding_window=None,
                       max_window_layers=config.num_layers,
                       layer_types=["full_attention"] * config.num_layers)
+    if config.family in MOE_FAMILIES:
+        hf.update(num_experts_per_tok=config.num_experts_per_tok,
+                  router_aux_loss_coef=config.router_aux_loss_coef,
+                  output_router_logits=False)
+        if config.family == "mixtral":
+            hf.update(num_local_experts=config.num_experts,
+                      intermediate_size=config.moe_intermediate_size, router_jitter_noise=0.0)
+        else:
+            hf.update(num_experts=config.num_experts,
+                      moe_intermediate_size=config.moe_intermediate_size,
+                      norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=[])
+        if config.family == "qwen2_moe":
+            hf.update(qkv_bias=config.qkv_bias,
+                      shared_expert_intermediate_size=config.shared_expert_intermediate_size)
     return hf

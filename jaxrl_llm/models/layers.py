@@ -210,6 +210,8 @@ def fuse_projections(p: dict[str, Any]) -> dict[str, Any]:
         return p
     fused_attn = {k: w for k, w in attn.items() if k not in ("q", "k", "v")}
     fused_attn["qkv"] = jnp.concatenate([attn["q"], attn["k"], attn["v"]], axis=-2)
+    if "router" in mlp_p:  # a mixture of experts (models/moe.py): its experts stay apart
+        return dict(p, attn=fused_attn)
     fused_mlp = {k: w for k, w in mlp_p.items() if k not in ("gate", "up")}
     fused_mlp["gate_up"] = jnp.concatenate([mlp_p["gate"], mlp_p["up"]], axis=-1)
     return dict(p, attn=fused_attn, mlp=fused_mlp)

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.layers import MASK_VALUE, softcap
-from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
+from jaxrl_llm.parallel.mesh import CONTEXT_AXIS, batch_axes, batch_shards, context_shards
 
 Array = jax.Array
 
@@ -67,7 +67,7 @@ def ring_attention(q: Array, k: Array, v: Array, seg: Array, *, mesh: Mesh, orde
     """q [B,T,Hq,D], k/v [B,T,Hkv,D], segment ids [B,T], all in the load-balanced order
     `order` (slot i holds original slot order[i]) and split along T over "context"."""
     c = context_shards(mesh)
-    rows = BATCH_AXES if q.shape[0] % batch_shards(mesh) == 0 else None
+    rows = batch_axes(mesh) if q.shape[0] % batch_shards(mesh) == 0 else None
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and k.shape[2] % tensor == 0 else None
     ring = [(i, (i + 1) % c) for i in range(c)]

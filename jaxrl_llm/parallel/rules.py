@@ -10,6 +10,10 @@ Models annotate each parameter with logical axis names (`nnx.with_partitioning` 
   1/fsdp per device; XLA all-gathers a layer's weights just before use). The "context" shards
   see different tokens of the same rows, so they shard the state like FSDP shards do.
 - "vocab", "q_heads", "kv_heads", "mlp" → "tensor": Megatron-style tensor parallelism.
+- "experts" (a mixture of experts' expert dimension) → "expert": expert parallelism; on a
+  mesh with that axis "embed" is split over it too (after "fsdp"), since its devices see
+  different rows outside the experts, like FSDP shards (an expert weight's "embed" then
+  takes only "fsdp": "expert" is already used by its expert dimension).
 - "head_dim", "norm", "layers" → replicated.
 
 A mesh axis is dropped for a dimension it does not divide (e.g. 3 KV heads on tensor=2) or
@@ -29,13 +33,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
+from jaxrl_llm.parallel.mesh import CONTEXT_AXIS, batch_axes, batch_shards, context_shards
 
 MeshAxes = str | tuple[str, ...] | None
 
 DEFAULT_PARAM_RULES: dict[str, MeshAxes] = {
     "vocab": "tensor",
-    "embed": ("fsdp", "context"),
+    "embed": ("fsdp", "context", "expert"),
+    "experts": "expert",
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "heads": "tensor",
@@ -170,13 +175,15 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
 
 
 def batch_spec(name: str, ndim: int, mesh: Mesh | None = None) -> P:
-    """Rows over ("data", "fsdp"), and a [B, T] array's tokens over "context" when `mesh` has
-    that axis; `pair_index` holds global row numbers and is replicated."""
+    """Rows over ("data", "fsdp") (and "expert" when `mesh` has it, `mesh.batch_axes`), and a
+    [B, T] array's tokens over "context" when `mesh` has that axis; `pair_index` holds global
+    row numbers and is replicated."""
     if name == "pair_index" or ndim == 0:
         return P()
+    rows = batch_axes(mesh)
     if ndim >= 2 and context_shards(mesh) > 1:
-        return P(BATCH_AXES, CONTEXT_AXIS)
-    return P(BATCH_AXES)
+        return P(rows, CONTEXT_AXIS)
+    return P(rows)
 
 
 def batch_shardings(batch: Any, mesh: Mesh) -> Any:
@@ -196,8 +203,8 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
         if spec != P() and value.shape[0] % shards:
             raise ValueError(
                 f"batch.{name} has {value.shape[0]} rows, not a multiple of the mesh's "
-                f"data×fsdp = {shards}; choose train.batch_size (and micro_batch_size) as a "
-                "multiple of it"
+                f"{'×'.join(batch_axes(mesh))} = {shards}; choose train.batch_size (and "
+                "micro_batch_size) as a multiple of it"
             )
         if len(spec) == 2 and value.shape[1] % (2 * context):
             raise ValueError(

@@ -24,7 +24,7 @@ from jaxrl_llm.parallel.memory import (
     fits,
     program_memory,
 )
-from jaxrl_llm.parallel.mesh import BATCH_AXES, AxisSizes, batch_shards, context_shards, make_mesh
+from jaxrl_llm.parallel.mesh import AxisSizes, batch_axes, batch_shards, context_shards, make_mesh
 from jaxrl_llm.parallel.rules import batch_spec, state_shardings
 from jaxrl_llm.sampling.sampler import default_bucket  # the sampler's padded-length buckets
 from jaxrl_llm.train.state import split_model
@@ -65,10 +65,11 @@ def process_rows(mesh: Mesh, batch_size: int) -> int:
     shards = batch_shards(mesh)
     if batch_size % shards:
         raise ConfigError(
-            f"{BATCH_SIZE_KEY}={batch_size} must be a multiple of the mesh's data×fsdp = "
+            f"{BATCH_SIZE_KEY}={batch_size} must be a multiple of the mesh's "
+            f"{'×'.join(batch_axes(mesh))} = "
             f"{shards} (mesh {dict(mesh.shape)}): the score pass splits each batch's rows over "
             "those axes like the train step")
-    index_map = NamedSharding(mesh, P(BATCH_AXES)).devices_indices_map((batch_size, 1))
+    index_map = NamedSharding(mesh, P(batch_axes(mesh))).devices_indices_map((batch_size, 1))
     owned = {index[0].indices(batch_size) for device, index in index_map.items()
              if device.process_index == jax.process_index()}
     rows = sum(len(range(*s)) for s in owned)
@@ -100,7 +101,7 @@ class Scorer:
         # Sharded like parameters: with LoRA the frozen base weights are in `rest`.
         self.model_state = jax.tree.map(jax.device_put, rest, state_shardings(rest, mesh))
         lora = getattr(getattr(model, "config", None), "lora", None) is not None
-        self.rows = NamedSharding(mesh, P(BATCH_AXES))
+        self.rows = NamedSharding(mesh, P(batch_axes(mesh)))
         # inputs: rows over the batch axes and, on a "context" axis, tokens over it (in the
         # load-balanced order, `parallel/context.py`); outputs come back whole along T
         self.tokens = NamedSharding(mesh, batch_spec("inputs", 2, mesh))

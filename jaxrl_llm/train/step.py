@@ -14,13 +14,20 @@ One step:
    the params are cast to the model's dtypes first (bf16 compute), so gradients are fp32.
 3. FPA (and `train.ref_logprobs: model`) run the frozen reference model under
    `stop_gradient`, with its parameters sharded like the policy's.
+   A mixture of experts (models/moe.py) adds its router losses to each micro-batch's loss,
+   `router_aux_loss_coef` · load-balancing + `router_z_loss_coef` · z-loss, as a term of
+   `total` weighted by the micro-batch's `weight` (so `Σ total / Σ weight` is the loss plus
+   their weight-averaged sum), and logs both as `loss/router_aux_loss`, `loss/router_z_loss`.
 4. Non-finite batch field, loss or gradient: the update is skipped (params, optimizer state and step
    unchanged bit for bit: a `jnp.where` selection of the old arrays, not a zero update, which
    would turn −0.0 into +0.0; optax's `apply_if_finite` also changes the optimizer state's
    structure and accepts NaN updates after a limit) and `metrics["update_skipped"] = 1`; we
    never train on NaN. `metrics["nonfinite_first"]` names the first non-finite quantity
    (`train/nonfinite.py`), which the trainer reports when it gives up.
-5. `train.grad_norm_by_sign` (FPA arXiv:2509.19893 Fig. 2's positive/negative split): the same
+5. A loss that reports `update_scale` (VCPO's √(ESS/N), from its whole-batch pre-pass
+   `train/score_norms.py`, which also gives the micro-batches its advantages) has the
+   optimizer's update multiplied by it: a learning-rate factor for this step.
+6. `train.grad_norm_by_sign` (FPA arXiv:2509.19893 Fig. 2's positive/negative split): the same
    micro-batch scan also takes the gradients of the loss restricted to positive and to
    negative records (`record_mask` zeroed on the others, see `positive_records`), both
    divided by the full batch's Σ weight. Every loss it allows is a `record_mask`-weighted sum
@@ -44,16 +51,19 @@ from jaxrl_llm.config import ConfigError, ExperimentConfig
 from jaxrl_llm.data.batch import Batch, array_fields, token_record_mask
 from jaxrl_llm.losses.registry import LOSS_SPECS
 from jaxrl_llm.losses.types import LossOutput
+from jaxrl_llm.losses.variance_controlled import UPDATE_SCALE
 from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.models.attention import attention_mesh
 from jaxrl_llm.models.layer_scan import LayerGradAccumulator
+from jaxrl_llm.models.moe import MoeAux, router_losses
 from jaxrl_llm.parallel.context import check_order
-from jaxrl_llm.parallel.mesh import BATCH_AXES, CONTEXT_AXIS, batch_shards, context_shards
+from jaxrl_llm.parallel.mesh import CONTEXT_AXIS, batch_axes, batch_shards, context_shards
 from jaxrl_llm.parallel.rules import batch_sharding_tree, logical_to_mesh_spec
 from jaxrl_llm.train.loss_fn import batch_advantages, compute_loss, needs_full_batch
 from jaxrl_llm.train.monitors import MONITORS, batch_monitors, finish
 from jaxrl_llm.train.nonfinite import NONFINITE_KEY, first_nonfinite
 from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.score_norms import vcpo_prepass
 from jaxrl_llm.train.state import TrainState, cast_to_dtypes, needs_reference_model
 
 Metrics = dict[str, jax.Array]
@@ -94,8 +104,20 @@ def _for_kernel(unembed: jax.Array, mesh: Mesh | None):
 def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: jax.Array,
             positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None,
             *, gather_unembed: bool = True, grad_accumulator: LayerGradAccumulator | None = None):
-    """(hidden [B,T,d], unembedding [d,V], final-logit softcap) of the model on token rows
-    `inputs [B,T]` with their `positions` and `segment_ids` (a `Batch`'s fields of those names).
+    """(hidden [B,T,d], unembedding [d,V], final-logit softcap): `forward_moe` without the
+    mixture of experts' router losses."""
+    return forward_moe(graphdef, params, model_state, inputs, positions, segment_ids, mesh,
+                       gather_unembed=gather_unembed, grad_accumulator=grad_accumulator)[:3]
+
+
+def forward_moe(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: jax.Array,
+                positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None,
+                *, gather_unembed: bool = True,
+                grad_accumulator: LayerGradAccumulator | None = None):
+    """(hidden [B,T,d], unembedding [d,V], final-logit softcap, router losses) of the model on
+    token rows `inputs [B,T]` with their `positions` and `segment_ids` (a `Batch`'s fields of
+    those names). Router losses: None for a dense model, else (penalty, metrics) of
+    `moe.router_losses`.
 
     With a mesh, hidden states are pinned to batch sharding and (`gather_unembed`) the
     unembedding is all-gathered over "fsdp" (vocab stays split over "tensor"): otherwise
@@ -112,17 +134,24 @@ def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: ja
         # the train step checked the batch's order (`check_order`); the scorer orders its own
         if context_shards(mesh) > 1:
             extra["context_order"] = context_shards(mesh)
+        moe = getattr(getattr(model, "config", None), "is_moe", False)
+        if moe:
+            extra["return_moe"] = True
         hidden = model(inputs, positions=positions, segment_ids=segment_ids, **extra)
+    losses = None
+    if moe:
+        hidden, aux = hidden
+        losses = router_losses(aux, model.config) if isinstance(aux, MoeAux) else None
     softcap = getattr(model, "final_logit_softcap", None)
     # In the compute dtype, as the layers cast theirs: float32 weights with bf16 compute.
     unembed = model.unembedding().astype(hidden.dtype)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(
-            hidden, NamedSharding(mesh, P(BATCH_AXES, _sequence_axis(mesh), None))
+            hidden, NamedSharding(mesh, P(batch_axes(mesh), _sequence_axis(mesh), None))
         )
         if gather_unembed:
             unembed = gather_unembedding(unembed, mesh)
-    return hidden, unembed, softcap
+    return hidden, unembed, softcap, losses
 
 
 def _sequence_axis(mesh: Mesh) -> str | None:
@@ -146,7 +175,8 @@ def num_micro_batches(config: ExperimentConfig, batch_size: int, mesh: Mesh) -> 
         )
     if n > 1 and micro % batch_shards(mesh):
         raise ConfigError(
-            f"train.micro_batch_size={micro} must be a multiple of the mesh's data×fsdp = "
+            f"train.micro_batch_size={micro} must be a multiple of the mesh's "
+            f"{'×'.join(batch_axes(mesh))} = "
             f"{batch_shards(mesh)} so every device gets rows of every micro-batch"
         )
     return n
@@ -159,7 +189,7 @@ def _split_micro(batch: Batch, n: int, mesh: Mesh) -> Batch:
     def split(x: jax.Array) -> jax.Array:
         y = x.reshape(n, x.shape[0] // n, *x.shape[1:])
         tokens = (_sequence_axis(mesh),) if x.ndim == 2 else ()
-        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, BATCH_AXES,
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, batch_axes(mesh),
                                                                          *tokens)))
 
     fields = {
@@ -222,6 +252,13 @@ def _layers_are_float32(params: Any) -> bool:
     return bool(leaves) and all(a.dtype == jnp.float32 for a in leaves)
 
 
+def _has_router(params: Any) -> bool:
+    """A mixture of experts' params (its layers have routers): the in-scan accumulator's
+    scan carries no router losses, so it trains with the plain scan."""
+    return any(any(getattr(k, "key", None) == "router" for k in path)
+               for path, _ in jax.tree_util.tree_leaves_with_path(params))
+
+
 def _where_layers(layers_from: Any, rest_from: Any) -> Any:
     """A params-shaped tree: the layer weights' leaves from `layers_from`, the others from
     `rest_from`."""
@@ -263,7 +300,7 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
                     accumulator = LayerGradAccumulator(layer_grads, dtypes)
                     # the layers get their float32 masters and cast one layer at a time
                     model_params = _where_layers(p, model_params)
-                hidden, unembed, softcap = forward(
+                hidden, unembed, softcap, router = forward_moe(
                     st.graphdef, model_params, st.model_state, b.inputs, b.positions,
                     b.segment_ids, mesh, gather_unembed=False, grad_accumulator=accumulator,
                 )
@@ -273,6 +310,11 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
                     ref_unembed=ref_unembed, softcap=softcap, advantages=adv,
                     row_sharding=rows,
                 )
+                if router is not None:  # a term of Σ total / Σ weight (module docstring)
+                    penalty, router_metrics = router
+                    out = out._replace(
+                        total=out.total + penalty * jax.lax.stop_gradient(out.weight),
+                        metrics={**out.metrics, **router_metrics})
                 return out.total, out
 
             (_, out), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
@@ -296,13 +338,17 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
         check_order(batch, context_shards(mesh))
         n = num_micro_batches(config, batch.batch_size, mesh)
         adv = batch_advantages(config, batch)
+        pre: dict[str, jax.Array] = {}  # whole-batch metrics of a pre-pass (VCPO's ESS, step scale)
+        if config.loss.spec.needs_score_norms:
+            adv, pre = vcpo_prepass(config, mesh, st, params, batch, forward)
         if n == 1:
             parts, out = micro_step(params, st, batch, adv)
             grads, sign_grads = split_result(parts)
-            return grads, out.total, out.weight, dict(out.metrics), sign_grads
+            return grads, out.total, out.weight, {**out.metrics, **pre}, sign_grads
         micro = _split_micro(batch, n, mesh)
         adv_micro = None if adv is None else adv.reshape(n, -1)
-        in_scan = accumulates_in_layer_scan(config) and _layers_are_float32(params)
+        in_scan = (accumulates_in_layer_scan(config) and _layers_are_float32(params)
+                   and not _has_router(params))
 
         def body(carry, xs):
             g_acc, total, weight = carry
@@ -332,7 +378,7 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
         denom = jnp.maximum(jnp.sum(weights), 1e-12)
         metrics = {k: jnp.sum(v) / denom for k, v in weighted.items()}
         grads, sign_grads = split_result(parts)
-        return grads, total, weight, metrics, sign_grads
+        return grads, total, weight, {**metrics, **pre}, sign_grads
 
     return loss_and_grad
 
@@ -361,6 +407,9 @@ def train_step_fn(
         first_bad = first_nonfinite(batch, loss, grads, grad_norm)
         finite = first_bad < 0
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        scale = kernel_metrics.get(UPDATE_SCALE)  # a loss's step-size factor (VCPO's √(ESS/N))
+        if scale is not None:  # on the whole update: exactly a learning-rate factor
+            updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
         new_params = optax.apply_updates(state.params, updates)
 
         def keep_if_finite(new, old):

@@ -34,6 +34,7 @@ from jaxrl_llm.weights.hf_layout import (
     Layout,
     TensorRule,
     expand_rules,
+    expert_counts,
     normalise_index,
     tensor_rules,
 )
@@ -243,6 +244,7 @@ def model_from_state_dict(
     if dtype is not None:
         dtype = dtype_name(dtype, field="dtype", choices=PARAM_DTYPES)
     probe = DecoderConfig.from_hf(hf_config, source=source, **overrides)
+    _check_expert_count(tensors, probe, source)
     rules_ = list(expand_rules(tensor_rules(probe), probe.num_layers))
     expected = {hf for hf, _, _ in rules_}
     missing = sorted(expected - set(tensors))
@@ -268,18 +270,40 @@ def model_from_state_dict(
     shapes = _per_layer_shapes(abstract)
     _check_tensors(tensors, rules_, shapes, probe.tie_embeddings, source)
     np_dtype = _NP_DTYPES[dtype]
-    by_ours = {ours: (hf_name, layout) for hf_name, ours, layout in rules_}
+    by_ours: dict[str, list[tuple[str, Layout]]] = {}
+    for hf_name, ours, layout in rules_:  # experts: one HF tensor per expert, in order
+        by_ours.setdefault(ours, []).append((hf_name, layout))
 
     def read(ours: str, index: Index) -> np.ndarray:
         # One tensor (slice) at a time, so host memory holds ~one parameter extra.
-        hf_name, layout = by_ours[ours]
-        value = layout.read_ours(lambda i: _read_slice(tensors, hf_name, i), shapes[ours],
-                                 index)
+        sources = by_ours[ours]
+        if sources[0][1].expert is None:
+            hf_name, layout = sources[0]
+            value = layout.read_ours(lambda i: _read_slice(tensors, hf_name, i), shapes[ours],
+                                     index)
+        else:  # stacked experts [E, ...]: the experts of index[0], each its own HF tensor
+            value = np.stack([
+                layout.read_ours(lambda i, name=hf_name: _read_slice(tensors, name, i),
+                                 shapes[ours][1:], index[1:])
+                for hf_name, layout in sources[index[0].start:index[0].stop]])
         return np.ascontiguousarray(value).astype(np_dtype)
 
     sharding = None if mesh is None else mesh_sharding(mesh, rules)
     _assign_params(abstract, read, place, sharding)
     return abstract
+
+
+def _check_expert_count(tensors: Mapping[str, Any], config: DecoderConfig, source: str) -> None:
+    """A `CheckpointError` when a MoE checkpoint's experts per layer differ from its config's
+    `num_experts` (before the missing/unexpected tensor lists, which would bury it)."""
+    counts = expert_counts(tensors, config)
+    wrong = {layer: n for layer, n in counts.items() if n != config.num_experts}
+    if wrong:
+        layer, n = next(iter(wrong.items()))
+        key = "num_local_experts" if config.family == "mixtral" else "num_experts"
+        raise CheckpointError(
+            f"{source}: the checkpoint holds {n} experts in layer {layer} but its config says "
+            f"{key}={config.num_experts}: the weights and config.json are of different models")
 
 
 def _safetensors_files(hf_dir: Path) -> dict[str, Path]:

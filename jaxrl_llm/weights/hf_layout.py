@@ -9,7 +9,8 @@ slice of our parameter, so a sharded load reads only each device's part of a ten
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -41,11 +42,17 @@ class Layout:
     heads_in    ours [d, H, D]      <-> HF [H*D, d]     (q/k/v projections)
     heads_out   ours [H, D, d]      <-> HF [d, H*D]     (o projection)
     heads_bias  ours [H, D]         <-> HF [H*D]        (q/k/v bias)
+
+    `expert` e: HF stores one tensor per expert and ours stacks them [E, ...]: the layout
+    applies to ours[e] (a mixture of experts' expert weights, models/moe.py).
     """
 
     kind: str
+    expert: int | None = None
 
     def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        if self.expert is not None:
+            ours = ours[1:]
         if self.kind == "copy":
             return ours
         if self.kind == "linear":
@@ -97,6 +104,8 @@ class Layout:
         raise ValueError(f"unknown layout {self.kind!r}")
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        if self.expert is not None:  # this expert's slice, in the plain layout
+            return dataclasses.replace(self, expert=None).to_hf(ours[self.expert])
         if self.kind == "copy":
             return ours
         if self.kind in ("linear", "heads_in", "heads_out"):
@@ -117,12 +126,34 @@ HEADS_IN, HEADS_OUT, HEADS_BIAS = Layout("heads_in"), Layout("heads_out"), Layou
 
 @dataclasses.dataclass(frozen=True)
 class TensorRule:
-    """HF name (with `{i}` for the layer index) <-> our parameter path under the layer/root."""
+    """HF name (with `{i}` for the layer index, and `{e}` for the expert when `experts` > 0:
+    one HF tensor per expert, stacked in ours) <-> our parameter path under the layer/root."""
 
     hf: str
     ours: str
     layout: Layout
     per_layer: bool
+    experts: int = 0
+
+
+# Per-layer MoE tensors of each family: (HF name, ours, layout, one per expert).
+_MOE_TENSORS: dict[str, list[tuple[str, str, Layout, bool]]] = {
+    "qwen3_moe": [("mlp.gate.weight", "mlp.router", LINEAR, False),
+                  ("mlp.experts.{e}.gate_proj.weight", "mlp.gate", LINEAR, True),
+                  ("mlp.experts.{e}.up_proj.weight", "mlp.up", LINEAR, True),
+                  ("mlp.experts.{e}.down_proj.weight", "mlp.down", LINEAR, True)],
+    "mixtral": [("block_sparse_moe.gate.weight", "mlp.router", LINEAR, False),
+                ("block_sparse_moe.experts.{e}.w1.weight", "mlp.gate", LINEAR, True),
+                ("block_sparse_moe.experts.{e}.w3.weight", "mlp.up", LINEAR, True),
+                ("block_sparse_moe.experts.{e}.w2.weight", "mlp.down", LINEAR, True)],
+}
+_MOE_TENSORS["qwen2_moe"] = [
+    *_MOE_TENSORS["qwen3_moe"],
+    ("mlp.shared_expert.gate_proj.weight", "mlp.shared_gate", LINEAR, False),
+    ("mlp.shared_expert.up_proj.weight", "mlp.shared_up", LINEAR, False),
+    ("mlp.shared_expert.down_proj.weight", "mlp.shared_down", LINEAR, False),
+    ("mlp.shared_expert_gate.weight", "mlp.shared_expert_gate", LINEAR, False),
+]
 
 
 def tensor_rules(config: DecoderConfig) -> list[TensorRule]:
@@ -137,11 +168,12 @@ def tensor_rules(config: DecoderConfig) -> list[TensorRule]:
         ("self_attn.k_proj.weight", "attn.k", HEADS_IN),
         ("self_attn.v_proj.weight", "attn.v", HEADS_IN),
         ("self_attn.o_proj.weight", "attn.o", HEADS_OUT),
-        ("mlp.gate_proj.weight", "mlp.gate", LINEAR),
-        ("mlp.up_proj.weight", "mlp.up", LINEAR),
-        ("mlp.down_proj.weight", "mlp.down", LINEAR),
-        ("input_layernorm.weight", "attn_norm.scale", COPY),
     ]
+    if not config.is_moe:
+        per_layer += [("mlp.gate_proj.weight", "mlp.gate", LINEAR),
+                      ("mlp.up_proj.weight", "mlp.up", LINEAR),
+                      ("mlp.down_proj.weight", "mlp.down", LINEAR)]
+    per_layer.append(("input_layernorm.weight", "attn_norm.scale", COPY))
     if config.is_gemma:
         per_layer += [
             ("post_attention_layernorm.weight", "post_attn_norm.scale", COPY),
@@ -165,14 +197,38 @@ def tensor_rules(config: DecoderConfig) -> list[TensorRule]:
             ("self_attn.k_norm.weight", "attn.k_norm.scale", COPY),
         ]
     rules += [TensorRule(layer + hf, ours, layout, True) for hf, ours, layout in per_layer]
+    if config.is_moe:
+        rules += [TensorRule(layer + hf, ours, layout, True, config.num_experts if stacked else 0)
+                  for hf, ours, layout, stacked in _MOE_TENSORS[config.family]]
     return rules
 
 
 def expand_rules(rules: list[TensorRule], num_layers: int) -> Iterator[tuple[str, str, Layout]]:
-    """(HF name, our flat path, layout) with layers numbered: "layers.3.attn.q"."""
+    """(HF name, our flat path, layout) with layers numbered: "layers.3.attn.q"; a rule with
+    experts gives one entry per expert, each with its `Layout.expert`."""
     for rule in rules:
-        if rule.per_layer:
-            for i in range(num_layers):
-                yield rule.hf.format(i=i), f"layers.{i}.{rule.ours}", rule.layout
-        else:
-            yield rule.hf, rule.ours, rule.layout
+        layers = range(num_layers) if rule.per_layer else [None]
+        for i in layers:
+            ours = rule.ours if i is None else f"layers.{i}.{rule.ours}"
+            if not rule.experts:
+                yield rule.hf.format(i=i), ours, rule.layout
+                continue
+            for e in range(rule.experts):
+                yield (rule.hf.format(i=i, e=e), ours,
+                       dataclasses.replace(rule.layout, expert=e))
+
+
+def expert_counts(names: Iterable[str], config: DecoderConfig) -> dict[int, int]:
+    """Layer index -> how many experts a checkpoint's tensor `names` hold for it (distinct
+    `{e}` of the family's first per-expert tensor), for a MoE `config`; {} otherwise."""
+    if not config.is_moe:
+        return {}
+    first = next(hf for hf, _, _, stacked in _MOE_TENSORS[config.family] if stacked)
+    pattern = re.compile(re.escape("model.layers.{i}." + first).replace(
+        re.escape("{i}"), r"(\d+)").replace(re.escape("{e}"), r"(\d+)") + "$")
+    seen: dict[int, set[int]] = {}
+    for name in names:
+        match = pattern.match(name)
+        if match:
+            seen.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+    return {layer: len(experts) for layer, experts in sorted(seen.items())}

@@ -34,6 +34,8 @@ from jax.sharding import Mesh
 from jaxrl_llm.core.errors import ConfigError, ModelFileError
 from jaxrl_llm.models.config import DecoderConfig, UnsupportedConfigError, resolve_compute_dtype
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.models.moe_dispatch import check_expert_axis
+from jaxrl_llm.parallel.mesh import expert_shards
 from jaxrl_llm.parallel.rules import DEFAULT_PARAM_RULES, state_shardings
 from jaxrl_llm.weights.hf import load_pretrained, read_hf_config
 from jaxrl_llm.weights.hub import resolve_model_dir
@@ -56,13 +58,18 @@ def numerics(model_config: Any) -> dict[str, Any]:
     m = model_config
 
     scaling = getattr(m, "rope_scaling", None)
+    aux = getattr(m, "router_aux_loss_coef", None)
     return {"param_dtype": resolve_compute_dtype(m.param_dtype),
             "compute_dtype": resolve_compute_dtype(m.compute_dtype),
             "remat": m.remat,
             "scan_layers": m.scan_layers, "attention": getattr(m, "attention", "auto"),
             "decode_layers": getattr(m, "decode_layers", "auto"),
             # model.rope_scaling replaces the weights file's (Qwen3's YaRN past 32,768)
-            **({"rope_scaling": dict(scaling)} if scaling else {})}
+            **({"rope_scaling": dict(scaling)} if scaling else {}),
+            # mixtures of experts (a dense decoder ignores them): null keeps the file's
+            **({"router_aux_loss_coef": aux} if aux is not None else {}),
+            "router_z_loss_coef": getattr(m, "router_z_loss_coef", 0.0),
+            "moe_dispatch": getattr(m, "moe_dispatch", "all_gather")}
 
 
 def file_overrides(model_config: Any) -> dict[str, Any]:
@@ -154,7 +161,7 @@ def random_architecture(model_config: Any) -> DecoderConfig:
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
         tie_embeddings=m.tie_embeddings,
-        qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3",
+        qkv_bias=m.family in ("qwen2", "qwen2_moe"), qk_norm=m.family in ("qwen3", "qwen3_moe"),
         sliding_window=m.sliding_window,
         # Gemma 2: local (sliding) attention on the even layers, global on the odd ones
         layer_types=(tuple("sliding_attention" if i % 2 == 0 else "full_attention"
@@ -163,7 +170,10 @@ def random_architecture(model_config: Any) -> DecoderConfig:
         attn_logit_softcap=50.0 if gemma2 else None,
         final_logit_softcap=30.0 if gemma2 else None,
         query_pre_attn_scalar=None, max_position_embeddings=m.max_position_embeddings,
-        hidden_act="gelu_tanh" if gemma2 else "silu", **numerics(m))
+        hidden_act="gelu_tanh" if gemma2 else "silu",
+        num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob,
+        shared_expert_intermediate_size=m.shared_expert_intermediate_size, **numerics(m))
 
 
 # The `model:` keys that describe the architecture (source random builds it from them).
@@ -247,6 +257,9 @@ def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
     architecture (for `nnx.eval_shape` / `plan`; reads no weights).
     """
     m = model_config
+    if mesh is not None:  # before any weight is read: experts that do not split over the mesh
+        check_expert_axis(decoder_config(m).num_experts, expert_shards(mesh),
+                          where=f"model ({m.source}{'' if m.path is None else ' ' + str(m.path)})")
     if m.source == "random" or not weights:
         return LoadedModel(random_model(decoder_config(m), seed=seed, mesh=mesh, rules=rules),
                            None)

@@ -87,3 +87,31 @@ def padded_batch(seed: int = 0, batch: int = 3, length: int = 12, vocab: int = 2
             mask[row, length - pad:] = 0
             tokens[row, length - pad:] = 0
     return tokens, mask
+
+
+def moe_hf_configs() -> dict:
+    """name -> transformers config of each mixture-of-experts family (models/moe.py): 8, 4
+    and 6 experts, top-2 / top-2 / top-3, Qwen3-MoE's renormalised top-k, Qwen2-MoE's
+    un-normalised one with its shared expert."""
+    import transformers as tf
+
+    base = {**COMMON, "num_hidden_layers": 2}
+    return {
+        "qwen3_moe": tf.Qwen3MoeConfig(**base, head_dim=16, moe_intermediate_size=32,
+                                       num_experts=8, num_experts_per_tok=2,
+                                       norm_topk_prob=True),
+        "mixtral": tf.MixtralConfig(**{**base, "intermediate_size": 32}, num_local_experts=4,
+                                    num_experts_per_tok=2),
+        "qwen2_moe": tf.Qwen2MoeConfig(**base, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=48, num_experts=6,
+                                       num_experts_per_tok=3, norm_topk_prob=False),
+    }
+
+
+def build_checkpoints(configs: dict, tmp_path_factory) -> dict:
+    """name -> (torch model, the directory transformers saved it to), one per config."""
+    out = {}
+    for name, config in configs.items():
+        model = make_hf_model(config)
+        out[name] = (model, save_hf(model, tmp_path_factory.mktemp(name)))
+    return out
