@@ -180,8 +180,8 @@ class EpisodeRunner:
             self._end(future, episode, "env_error")
             return
         info = dict(response.info)
-        if response.done:
-            self._env_span(episode, [], info, response.reward)
+        if response.done:  # messages of a finished episode are kept, never fed
+            self._env_span(episode, [], info, response.reward, dropped=response.messages)
             self._end(future, episode, None)
             return
         if len(episode.model_turns) >= self.max_turns:

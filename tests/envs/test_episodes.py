@@ -183,6 +183,15 @@ def test_model_out_of_tokens_or_stopping_on_eos_ends_without_the_environment():
     assert episode.turns[-1]["stop"] == "stop"
 
 
+def test_messages_of_a_finished_episode_are_kept_not_fed():
+    farewell = EnvResponse([{"role": "user", "content": "Well done."}], done=True, reward=1.5)
+    episode = play(runner_for(Scripted([farewell])), ["It is 42."])
+    assert episode.done and episode.truncated is None
+    assert all(m == 1 for m in episode.action_mask)
+    assert episode.turns[-1]["dropped_messages"] == farewell.messages
+    assert episode.turns[-1]["reward"] == 1.5
+
+
 def test_turn_limit():
     env = Scripted([FEEDBACK], max_turns=2)
     runner = runner_for(env)
