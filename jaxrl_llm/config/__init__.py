@@ -59,6 +59,11 @@ class ExperimentConfig(Section):
                 f"data.pack=true cannot train loss.name={self.loss.name}: its pairs index rows "
                 "(pair_index), not packed records; set data.pack=false"
             )
+        if self.data.pack and self.loss.spec.needs_score_norms:
+            raise ValueError(
+                f"data.pack=true cannot train loss.name={self.loss.name}: its baseline needs "
+                "each record's own gradient norm, one backward pass per row; set data.pack=false"
+            )
         return self
 
     @model_validator(mode="after")

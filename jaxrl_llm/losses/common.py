@@ -11,6 +11,7 @@ Conventions (every kernel in `policy_gradient`, `ppo` and `off_rl`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import chex
@@ -61,6 +62,22 @@ def check_records(batch: int, **arrays: Array | None) -> None:
                 f"got {jnp.shape(value)}"
             )
 
+
+
+def group_batch(
+    tokens: dict[str, Array], rewards: Array, group_ids: Array, advantages: Array | None,
+    record_mask: Array | None, compute: Callable[[Array], Array],
+) -> tuple[int, int, Array, Array, Array]:
+    """Checked inputs of a group kernel as `(B, T, m, rm, Â)`: the per-token arrays `tokens`
+    (one of them `mask`) [B, T], token and record weights, and the given `advantages` [B]
+    (0 on padding rows) or `compute(rm)`, the kernel's own on this call's whole groups."""
+    b, t = check_tokens(**tokens)
+    check_records(b, rewards=rewards, group_ids=group_ids, advantages=advantages,
+                  record_mask=record_mask)
+    m, rm = token_record_weights(tokens["mask"], record_mask, b)
+    if advantages is None:
+        return b, t, m, rm, compute(rm)
+    return b, t, m, rm, jnp.where(rm > 0, jnp.asarray(advantages, jnp.float32), 0.0)
 
 
 def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

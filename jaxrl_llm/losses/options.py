@@ -77,8 +77,9 @@ RATIO_LEVEL = Option(
 AGGREGATION = Option(
     "aggregation", AggregationName | None, None,
     "the reduction, in verl's names; null = the loss's own: token-mean for ppo (token ratios) "
-    "and grpo, for the TOPR family length_norm's per-record normalisation "
-    "(seq-mean-token-mean / -sum)", "aggregation")
+    "and grpo, for the TOPR family and asymre length_norm's per-record normalisation "
+    "(seq-mean-token-mean / -sum), seq-mean-token-sum for dppo, trm and vcpo (their papers' "
+    "sum over a sequence's tokens, mean over sequences)", "aggregation")
 
 
 def topr_check(values: Mapping[str, Any]) -> str | None:
@@ -150,3 +151,84 @@ def ppo_check(values: Mapping[str, Any]) -> str | None:
 # ------------------------------------------------------------------------ preference losses
 
 BETA = Option("beta", float, 0.1, "β of the implicit reward", "beta", gt=0, strict=False)
+
+
+# ------------------------------------------------------------- async-RL objectives (2025–26)
+# DPPO arXiv:2602.04879, TRM arXiv:2512.23075, OAPL arXiv:2602.19362, VCPO arXiv:2602.17616,
+# AsymRE arXiv:2506.20520 (losses/trust_region.py, optimal_advantage.py,
+# variance_controlled.py, policy_gradient.py; docs/kernels.md § Async-RL objectives).
+
+
+def _no_effect(values: Mapping[str, Any], key: str, default: Any, because: str) -> str | None:
+    if values[key] != default:
+        return f"loss.{key}={values[key]} has no effect: {because}; remove the key"
+    return None
+
+
+DPPO_OPTIONS = (
+    Option("dppo_divergence", Literal["tv", "kl"], "tv", "the Binary divergence between μ and π "
+           "at the sampled token: tv |μ − π| (eq. 13) or kl of the two Bernoullis (eq. 14)",
+           "divergence"),
+    Option("dppo_delta", float | None, None, "threshold δ of the mask (eq. 12), for advantages "
+           "> 0 and, unless dppo_delta_low, < 0; null: 0.15 for tv, 0.05 for kl (the paper's)",
+           "delta", gt=0),
+    Option("dppo_delta_low", float | None, None, "a separate δ for advantages < 0 (the "
+           "authors' verl code and prime-rl take two); null: dppo_delta", "delta_low", gt=0),
+    Option("dppo_ratio_cap", float | None, None, "gradient weight min(π/μ, C) (the paper's "
+           "appendix: C = 5 in its scaling runs); null: no cap (eq. 11)", "ratio_cap", gt=0),
+    Option("dppo_kl_tau", float, 0.0, "weight of prime-rl's per-token (log π/μ)² term (its "
+           "default loss: 1e-3); 0: the paper's objective", "kl_tau", ge=0),
+    Option("dppo_std_scale", bool, False, "divide the group-centred advantage by the group "
+           "std (GRPO's); false: R − mean_group (the paper's)", "scale_by_std"),
+)
+
+
+def dppo_check(values: Mapping[str, Any]) -> str | None:
+    if not values["dppo_std_scale"]:
+        return _no_effect(values, "std_ddof", 0, "loss.dppo_std_scale=false takes no std")
+    return None
+
+
+TRM_OPTIONS = (
+    Option("trm_delta", float, 0.05, "threshold δ of the sequence mask max_t ½(log π_t/μ_t)² "
+           "≤ δ (the paper's TRM-Max: 0.05)", "delta", gt=0),
+    Option("trm_delta_avg", float | None, None, "also require mean_t (ρ_t − 1 − log ρ_t) ≤ δ_avg"
+           " (the paper's TRM-Avg: 0.001); null: max criterion only", "delta_avg", gt=0),
+)
+OAPL_OPTIONS = (
+    Option("oapl_beta", float, 1e-3, "β₂ of the regression β₂·log(π/π_lag) ≈ r − V̂*", "beta",
+           gt=0),
+    Option("oapl_value_beta", float, 1.0, "β₁ of the group soft value V̂* = β₁ log mean "
+           "exp(r/β₁)", "value_beta", gt=0),
+)
+VCPO_OPTIONS = (
+    Option("vcpo_is_cap", float | None, 8.0, "truncation of the sequence weight π(y)/μ(y) in "
+           "the gradient (the authors' runs: 8); null: untruncated", "is_cap", gt=0),
+    Option("vcpo_baseline", Literal["opob", "group_mean"], "opob", "opob: Σw²‖∇log π‖²R / "
+           "Σw²‖∇log π‖² per group (needs a backward pass per record); group_mean: ablation",
+           "baseline"),
+    Option("vcpo_std_scale", bool, True, "divide R − b by the group's reward std (the "
+           "authors' runs)", "scale_by_std"),
+    Option("vcpo_ess_rule", Literal["sqrt", "linear", "off"], "sqrt", "step scale from ρ = "
+           "ESS/N: √min(1, ρ/ρ_base) (the paper's, for AdamW-style optimizers), min(1, "
+           "ρ/ρ_base), or off", "ess_rule"),
+    Option("vcpo_ess_base", float, 1.0, "ρ_base of the step scale (the authors' runs: 1)",
+           "ess_base", gt=0, le=1),
+)
+
+
+def vcpo_check(values: Mapping[str, Any]) -> str | None:
+    if values["vcpo_ess_rule"] == "off":
+        why = _no_effect(values, "vcpo_ess_base", 1.0, "loss.vcpo_ess_rule=off scales no step")
+        if why:
+            return why
+    if not values["vcpo_std_scale"]:
+        return _no_effect(values, "std_ddof", 0, "loss.vcpo_std_scale=false takes no std")
+    return None
+
+
+ASYMRE_OPTIONS = (
+    Option("asymre_delta_v", float, -0.1, "δV of the baseline V = mean_group(R) + δV; ≤ 0 "
+           "(V ≤ V^μ, the paper's improvement condition; Trinity-RFT's default −0.1)",
+           "delta_v", le=0),
+)

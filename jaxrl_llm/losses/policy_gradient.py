@@ -1,4 +1,5 @@
-"""Policy-gradient loss kernels: the TOPR family (TOPR arXiv:2503.14286) and its presets.
+"""Policy-gradient loss kernels: the TOPR family (TOPR arXiv:2503.14286) and its presets, and
+AsymRE (arXiv:2506.20520), TOPR's own line: off-policy REINFORCE with a baseline below V^μ.
 
 Every loss has the contract
 
@@ -22,6 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.losses.advantages import grpo_advantages
 from jaxrl_llm.losses.common import (  # noqa: F401 (re-exported)
     AGGREGATIONS,
     LOG_RATIO_CAP,
@@ -34,7 +36,9 @@ from jaxrl_llm.losses.common import (  # noqa: F401 (re-exported)
     check_records,
     check_tokens,
     completion_lengths,
+    group_batch,
     masked,
+    record_weights,
     safe_len,
     sequence_logprob,
     token_record_weights,
@@ -287,4 +291,63 @@ def topr_loss(
         **_sign_split_metrics(unit_ell, unit_w, unit_pos, lo, hi),
     }
     metrics["ess_fraction"] = metrics["ess"] / jnp.maximum(jnp.sum(unit_w), 1e-12)
+    return LossOutput(total, weight, metrics)
+
+
+# --------------------------------------------------------------------------------- AsymRE
+
+# δV of the implementation read (Trinity-RFT's `asymre` advantage: group mean + baseline_shift
+# −0.1); the paper recommends a slightly negative δV (V < V^μ) for its guarantee.
+ASYMRE_DELTA_V = -0.1
+
+
+def asymre_advantages(rewards: Array, group_ids: Array, record_mask: Array | None = None, *,
+                      delta_v: Scalar = ASYMRE_DELTA_V, **_: object) -> Array:
+    """AsymRE's `A_i = R_i − V_g`, `V_g = mean_{j∈g} R_j + δV` (the group's mean reward, the
+    sample estimate of V^μ, shifted by δV ≤ 0), on whole groups; padding rows get 0."""
+    rewards = jnp.asarray(rewards, jnp.float32)
+    rm = record_weights(record_mask, rewards.shape[0])
+    centred = grpo_advantages(rewards, group_ids, rm, scale_by_std=False)
+    return jnp.where(rm > 0, centred - jnp.asarray(delta_v, jnp.float32), 0.0)
+
+
+def asymre_loss(
+    logp: Array,
+    mask: Array,
+    rewards: Array,
+    group_ids: Array,
+    *,
+    delta_v: Scalar = ASYMRE_DELTA_V,
+    length_norm: bool = True,
+    aggregation: Aggregation | None = None,
+    max_len: int | None = None,
+    advantages: Array | None = None,
+    record_mask: Array | None = None,
+) -> LossOutput:
+    """Asymmetric REINFORCE (Arnal et al., arXiv:2506.20520): maximise
+    `E_{y∼μ}[log π(y) (r(y) − V)]` with `V = V^μ + δV`, V^μ estimated by the group's mean reward
+    (`asymre_advantages`); no importance ratio (μ is not read).
+
+    Per record `L = −A · log π(y) / N(y)`, `N = |y|` (`length_norm`, TOPR's convention) or 1
+    (the paper's objective as written); `aggregation` as `topr_loss`'s. Its gradient is that of
+    TOPR's `reinforce` preset with the per-record baseline `V` (docs/kernels.md § Async-RL
+    objectives relates δV to TOPR eq. 12's baseline-as-composition)."""
+    mode = _topr_aggregation(aggregation, length_norm)
+    _, t, m, rm, adv = group_batch(
+        dict(logp=logp, mask=mask), rewards, group_ids, advantages, record_mask,
+        lambda rm: asymre_advantages(rewards, group_ids, rm, delta_v=delta_v))
+    seq_logp = jnp.sum(masked(logp, m) * m, axis=-1)
+    total, weight = aggregate_records(-adv * seq_logp, jnp.sum(m, axis=-1), rm, mode,
+                                      t if max_len is None else max_len)
+    positive = adv >= 0
+    abs_adv = jnp.abs(adv) * rm
+    metrics = {
+        "objective": -total / jnp.maximum(weight, 1e-12),
+        "num_pos": jnp.sum(rm * positive),
+        "num_neg": jnp.sum(rm * (~positive)),
+        "effective_pos_fraction": (
+            jnp.sum(abs_adv * positive) / jnp.maximum(jnp.sum(abs_adv), 1e-12)),
+        "advantage_mean": wmean(adv, rm),
+        "baseline_mean": wmean(jnp.asarray(rewards, jnp.float32) - adv, rm),
+    }
     return LossOutput(total, weight, metrics)

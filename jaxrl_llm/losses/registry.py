@@ -4,7 +4,9 @@ Every part of the package that must know something about a loss reads it here �
 validation, the loader (pairs, whole groups, μ), the trainer (what to require, which metrics
 mean something), the train step (micro-batching, the frozen reference model), `score`,
 `curate` and `iterate` — so the taxonomy cannot drift between them. The kernels themselves
-live in `policy_gradient` (TOPR), `ppo`, `stale_is`, `off_rl` and `preference`; docs/kernels.md gives each formula and its paper
+live in `policy_gradient` (TOPR, AsymRE), `ppo`, `stale_is`, `trust_region` (DPPO, TRM),
+`optimal_advantage` (OAPL), `variance_controlled` (VCPO), `off_rl` and `preference`;
+docs/kernels.md gives each formula and its paper
 (TOPR arXiv:2503.14286, FPA arXiv:2509.19893).
 
 Requirements, per loss:
@@ -21,7 +23,11 @@ Requirements, per loss:
   batches must hold whole groups.
 - `full_batch`: rows are coupled across the batch inside the kernel (pairs, KTO's batch-mean
   z₀, A*-PO's group values, M2PO's second-moment mask over all tokens), so the step cannot split the batch into micro-batches. (GRPO's
-  group advantages are computed on the full batch before the split, so it can.)
+  group advantages are computed on the full batch before the split, so it can; so are those
+  of a loss with `advantages`, its kernel module's function the step calls on the full batch.)
+- `needs_score_norms`: the kernel's baseline reads each record's `‖∇_θ log π(y)‖²` (VCPO's
+  OPOB), so the step runs a backward pass per record first (train/score_norms.py) and the
+  records cannot be packed.
 
 Options, per loss (`LossSpec.options`, `losses.options.Option`): the `loss.<key>` keys the
 loss reads, each with its type, default, bounds, description and the kernel keyword it binds
@@ -43,16 +49,24 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from jaxrl_llm.losses.options import (
     AGGREGATION,
+    ASYMRE_OPTIONS,
     BETA,
     CLIP_OPTIONS,
+    DPPO_OPTIONS,
+    LENGTH_NORM,
+    OAPL_OPTIONS,
     RATIO_LEVEL,
     STD_DDOF,
     TOPR_OPTIONS,
+    TRM_OPTIONS,
+    VCPO_OPTIONS,
     Option,
     OptionsCheck,
+    dppo_check,
     no_ratio_check,
     ppo_check,
     topr_check,
+    vcpo_check,
 )
 
 if TYPE_CHECKING:
@@ -73,7 +87,8 @@ class LossSpec:
 
     name: str
     load: Callable[[], Callable[..., LossOutput]]  # imports and returns the kernel
-    family: str  # "topr" | "ppo" | "group" | "stale_is" | "off_rl" | "fpa" | "preference"
+    # "topr" | "ppo" | "group" | "stale_is" | "async" | "asymre" | "off_rl" | "fpa" | "preference"
+    family: str
     minimises: str
     # Which records count as positive (`train.grad_norm_by_sign`): "baseline" (R − baseline
     # ≥ 0, TOPR eq. 7), "group" (group advantage ≥ 0), "correct" (the verifier's flag, FPA's
@@ -86,9 +101,14 @@ class LossSpec:
     needs_ref_model: bool = False
     needs_pairs: bool = False
     needs_groups: bool = False
+    needs_score_norms: bool = False
     full_batch: bool = False
     options: tuple[Option, ...] = ()
     check: OptionsCheck | None = None  # a rule over several of its options (e.g. α < β)
+    # Imports and returns the function the train step calls on the full batch for the per-record
+    # advantages, `fn(rewards, group_ids, record_mask, **kernel_options) -> [B]` (whole groups
+    # before the micro-batch split); None: the step computes none, or GRPO's by family.
+    advantages: Callable[[], Callable[..., Any]] | None = None
 
     @cached_property
     def kernel(self) -> Callable[..., LossOutput]:
@@ -126,6 +146,16 @@ def _stale(name: str, minimises: str, options: tuple[Option, ...], *,
                     minimises, positive="group", needs_mu=True, inputs=_GROUP_INPUTS,
                     needs_groups=True, full_batch=full_batch, options=(*options, STD_DDOF),
                     check=check)
+
+
+def _async(name: str, module: str, minimises: str, options: tuple[Option, ...], *,
+           advantages: str | None, check: OptionsCheck | None = None, **needs: bool) -> LossSpec:
+    """The async-RL objectives of 2025–26 (docs/kernels.md § Async-RL objectives): μ and whole
+    groups; `advantages` names the module's full-batch advantage function."""
+    fn = None if advantages is None else (lambda: getattr(_module(module), advantages))
+    return LossSpec(name, lambda: getattr(_module(module), f"{name}_loss"), "async", minimises,
+                    positive="group", needs_mu=True, inputs=_GROUP_INPUTS, needs_groups=True,
+                    options=options, check=check, advantages=fn, **needs)
 
 
 def _preference(name: str, minimises: str, options: tuple[Option, ...], **needs: bool) -> LossSpec:
@@ -227,6 +257,23 @@ _SPECS = (
                  Option("fpa_on", Literal["both", "negatives", "positives"], "both",
                         "which records get the extrapolated weight", "fpa_on", strict=False),
              )),
+    # Async-RL objectives (trust_region.py, optimal_advantage.py, variance_controlled.py).
+    _async("dppo", "trust_region", "−M·(π/μ)·Â per token, M masks |π(a) − μ(a)| > δ (Binary TV/KL)"
+           " moving away (arXiv:2602.04879 eq. 11–14)", (*DPPO_OPTIONS, AGGREGATION, STD_DDOF),
+           advantages="dppo_advantages", check=dppo_check),
+    _async("trm", "trust_region", "−M·Â·Σ_t π_t/μ_t, M = 1[max_t ½log²(π_t/μ_t) ≤ δ] per sequence"
+           " (arXiv:2512.23075 eq. 22)", (*TRM_OPTIONS, AGGREGATION, STD_DDOF),
+           advantages="trm_advantages"),
+    _async("oapl", "optimal_advantage", "(β₂·log(π/π_lag)(y) − (R − V̂*))², π_lag = μ, V̂* the "
+           "group soft value (arXiv:2602.19362)", OAPL_OPTIONS, advantages="oapl_advantages"),
+    _async("vcpo", "variance_controlled", "−[π/μ]^C·(R − b*)/σ·log π, b* = OPOB, step × "
+           "√(ESS/N) (arXiv:2602.17616)", (*VCPO_OPTIONS, AGGREGATION, STD_DDOF),
+           advantages=None, check=vcpo_check, needs_score_norms=True),
+    LossSpec("asymre", lambda: _module("policy_gradient").asymre_loss, "asymre",
+             "−(R − mean_group R − δV)·log π, no ratio (arXiv:2506.20520)", positive="group",
+             inputs=("logp", "mask", "rewards", "group_ids"), needs_groups=True,
+             options=(*ASYMRE_OPTIONS, LENGTH_NORM, AGGREGATION), check=topr_check,
+             advantages=lambda: _module("policy_gradient").asymre_advantages),
     _preference("dpo", "−log σ(β[(log π − log π_ref)(y⁺) − (log π − log π_ref)(y⁻)])",
                 (BETA,), needs_pairs=True),
     _preference("rpo", "DPO − α·(1/|y⁺|)·log π(y⁺)", (

@@ -58,9 +58,13 @@ def needs_full_batch(config: ExperimentConfig) -> bool:
 
 def batch_advantages(config: ExperimentConfig, batch: Batch) -> jax.Array | None:
     """Per-record advantages that need whole groups (GRPO family and the stale-sample losses,
-    all std-scaled but Dr.GRPO), computed on the full batch before it is split into
-    micro-batches; None for the other losses."""
-    if config.loss.spec.family not in ("group", "stale_is"):
+    all std-scaled but Dr.GRPO; a loss whose entry names its own, `LossSpec.advantages`),
+    computed on the full batch before it is split into micro-batches; None for the others."""
+    spec = config.loss.spec
+    if spec.advantages is not None:
+        return spec.advantages()(batch.rewards, batch.group_ids, batch.record_mask,
+                                 **spec.kernel_options(dict(config.loss)))
+    if spec.family not in ("group", "stale_is"):
         return None
     return grpo_advantages(
         batch.rewards, batch.group_ids, batch.record_mask,
@@ -172,6 +176,16 @@ def _group(spec: LossSpec, x: _Inputs) -> LossOutput:
                        record_mask=b.record_mask, **extra, **x.options)
 
 
+def _async(spec: LossSpec, x: _Inputs) -> LossOutput:
+    """DPPO, TRM, OAPL, VCPO (μ, groups) and AsymRE (no μ): the step's full-batch advantages
+    (`batch_advantages`; VCPO's from its per-record pre-pass, train/score_norms.py), or the
+    kernel's own on this batch for a direct call."""
+    b = x.batch
+    mu = () if spec.family == "asymre" else (x.logmu,)
+    return spec.kernel(x.logp, *mu, x.mask, b.rewards, b.group_ids, advantages=x.advantages,
+                       record_mask=b.record_mask, max_len=b.seq_len, **x.options)
+
+
 def _off_rl(spec: LossSpec, x: _Inputs) -> LossOutput:
     lc, b = x.config.loss, x.batch
     if not spec.needs_ref:
@@ -224,5 +238,6 @@ def _preference(spec: LossSpec, x: _Inputs) -> LossOutput:
 _BINDINGS: dict[str, Callable[[LossSpec, _Inputs], LossOutput]] = {
     # ppo binds the TOPR family's arrays and baseline; its options are its entry's
     "topr": _topr_family, "ppo": _topr_family, "group": _group, "stale_is": _group,
+    "async": _async, "asymre": _async,
     "off_rl": _off_rl, "fpa": _fpa, "preference": _preference,
 }

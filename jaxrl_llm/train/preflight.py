@@ -10,6 +10,9 @@ train this loss as configured?
   score pass's `extra.score_temperature`, or the sampling temperature for
   `loss.mu_source: sampler`). A config that leaves `generate.temperature` unset takes the
   records' value; one that sets a different value is refused.
+- Whole groups: a loss with group statistics (`LossSpec.needs_groups`) on records with one
+  record per group (manifest `num_groups` = `num_records`) would have nothing to compare each
+  record with: refused, naming the directory and generate.n.
 - `loss.mu_source: sampler` needs the sampler's processed log-probs to be the policy's: not
   after top-k/top-p truncation, not greedy (a point mass), and present at all.
 """
@@ -36,6 +39,8 @@ def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> 
     manifest = read_manifest(directory)
     where = str(epath.Path(directory) / MANIFEST_NAME)
     spec = config.loss.spec
+    if spec.needs_groups:
+        check_groups(config.loss.name, manifest, str(directory), where)
     if spec.needs_ref and config.train.ref_logprobs == "batch":
         check_ref_logprobs(config.loss.name, manifest, str(directory), where)
     if not spec.needs_mu:
@@ -43,6 +48,18 @@ def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> 
     if config.loss.mu_source == "sampler":
         check_sampler_mu(manifest, where)
     return adopt_temperature(config, manifest, str(directory), where)
+
+
+def check_groups(loss: str, manifest: Manifest, directory: str, where: str) -> None:
+    """A loss with group statistics needs groups of ≥ 2 records: with one record per group
+    its baseline is the record's own reward (every advantage 0, or for AsymRE −δV alike)."""
+    n, groups = manifest.num_records, manifest.num_groups
+    if n and groups >= n:
+        raise ConfigError(
+            f"loss.name={loss} computes its baseline over each prompt's group of samples, but "
+            f"{directory} holds {n} records in {groups} groups, one record each ({where}: "
+            "num_records, num_groups): generate several samples per prompt (generate.n ≥ 2) "
+            "and keep them under one group_id, or pick a loss without groups (e.g. topr)")
 
 
 def check_ref_logprobs(loss: str, manifest: Manifest, directory: str, where: str) -> None:

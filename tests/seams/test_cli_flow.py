@@ -45,7 +45,7 @@ eval: {n: 4, num_questions: 16, batch_size: 32, maj_k: [1, 4], bootstrap_trials:
 RL_STEPS = 3
 LOSS_NAMES = ("topr", "sft", "reinforce", "opr", "tis", "ppo", "grpo", "dr_grpo", "off_rl",
               "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo", "cispo", "gspo", "icepop", "m2po",
-              "vespo")
+              "vespo", "dppo", "trm", "oapl", "vcpo", "asymre")
 
 
 def jaxrl(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
