@@ -30,6 +30,9 @@ from jaxrl_llm.data.collate import collate, record_row
 from jaxrl_llm.data.curation import apply_transform
 from jaxrl_llm.data.records import Record
 from jaxrl_llm.data.signal import SignalWatch
+from jaxrl_llm.envs.episodes import EpisodeRunner
+from jaxrl_llm.envs.registry import env_from_config, runner_from_config
+from jaxrl_llm.envs.sampled import runner_for, sample_episodes
 from jaxrl_llm.eval.during_training import eval_task
 from jaxrl_llm.eval.evaluate import evaluate_model
 from jaxrl_llm.generate.completions import Completion, build_records, encode_prompts, format_prompts
@@ -77,6 +80,8 @@ class Samples:
     finish_reason: list[str]
     # per completion: the weight version of each token (in-flight updates only, else None)
     versions: list[np.ndarray] | None = None
+    # per completion: 1 = sampled by the model, 0 = an environment's token (episodes only)
+    action_mask: list[np.ndarray] | None = None
 
 
 def _as_config(config: ExperimentConfig | Mapping[str, Any] | str | None,
@@ -144,6 +149,7 @@ class Policy:
         self.mesh = mesh
         self.info = dict(info or {})
         self.task = task_from_config(config)
+        self._runner: EpisodeRunner | None = None  # the config's environment (episode_runner)
         self._said: set[str] = set()  # memory notes already printed (one per figure)
         self._score_fns: dict[float, Any] = {}
         self.sampler_batch: int | None = None
@@ -167,6 +173,19 @@ class Policy:
             self._said.add(text)
             print(text, file=sys.stderr)
 
+    def episode_runner(self, env: Any = None) -> EpisodeRunner | None:
+        """The runner of `env` (an Environment or EpisodeRunner; None: the config's `env:`,
+        itself None for single-turn), built once per environment."""
+        if isinstance(env, EpisodeRunner):
+            return env
+        if env is None:
+            if self._runner is None and self.config.env.name is not None:
+                self._runner = runner_from_config(self.config,
+                                                  env_from_config(self.config, self.task),
+                                                  self.tokenizer)
+            return self._runner
+        return runner_from_config(self.config, env, self.tokenizer)
+
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Prompt texts → token ids (chat template as `data.chat_template` says)."""
         chat = self.config.data.chat_template
@@ -178,12 +197,14 @@ class Policy:
                temperature: float | None = None, max_new_tokens: int | None = None,
                seed: int = 0, weights: Callable[[], tuple[int, Any] | None] | None = None,
                version: int = 0,
-               on_segment: Callable[[int, int], None] | None = None) -> Samples:
+               on_segment: Callable[[int, int], None] | None = None,
+               turns: Any = None) -> Samples:
         """`n` completions per prompt (texts or token ids) with the KV-cache sampler
         (`sampling/sampler.py`) on the current weights; defaults from `generate:`.
         `weights`/`version`: in-flight weight updates (`ContinuousSampler.generate`); the
         samples then carry each token's version. `on_segment`: called after each decode
-        segment (`Sampler.generate`); an exception it raises abandons the call."""
+        segment (`Sampler.generate`); an exception it raises abandons the call. `turns`:
+        multi-turn episodes (`sampling.turns.TurnHook`; `rollout(env=...)` makes one)."""
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
             prompts[0], str) else self.encode(prompts)  # type: ignore[arg-type]
@@ -201,10 +222,13 @@ class Policy:
                                 key="generate.batch_size", say=self.say_once,
                                 fit_memory=self.sampler_batch is None,
                                 **self.config.generate.sampler_options())
-        if weights is not None and not isinstance(sampler, ContinuousSampler):
-            raise ConfigError("in-flight weight updates need generate.batching: continuous "
-                              f"(it is {self.config.generate.batching})")
+        for wanted, what in ((weights, "in-flight weight updates"), (turns, "environments")):
+            if wanted is not None and not isinstance(sampler, ContinuousSampler):
+                raise ConfigError(f"{what} need generate.batching: continuous (it is "
+                                  f"{self.config.generate.batching})")
         hook = dict(weights=weights, version=version) if weights is not None else {}
+        if turns is not None:
+            hook["turns"] = turns
         out = sampler.generate(ids, params, jax.random.key(seed), on_segment=on_segment,
                                **hook)
         lengths = [int(x) for x in out.lengths]
@@ -217,17 +241,33 @@ class Policy:
                           for i, m in enumerate(lengths)],
             finish_reason=[str(x) for x in out.finish_reason],
             versions=None if out.versions is None else [out.versions[i, :m]
-                                                        for i, m in enumerate(lengths)])
+                                                        for i, m in enumerate(lengths)],
+            action_mask=None if out.action_mask is None else [out.action_mask[i, :m]
+                                                              for i, m in enumerate(lengths)])
 
     def rollout(self, problems: Sequence[Any], *, n: int | None = None, seed: int = 0,
                 group_offset: int = 0,
                 weights: Callable[[], tuple[int, Any] | None] | None = None,
                 version: int = 0,
-                on_segment: Callable[[int, int], None] | None = None) -> list[Record]:
+                on_segment: Callable[[int, int], None] | None = None,
+                env: Any = None) -> list[Record]:
         """Sample `n` completions per problem of `self.task` and reward them with the task's
         verifier: one `Record` per completion (`group_id = group_offset + problem index`).
         With in-flight `weights` (`sample`), each record's metadata `weight_versions` lists
-        [version, first token] wherever the version changes. `on_segment`: as `sample`'s."""
+        [version, first token] wherever the version changes. `on_segment`: as `sample`'s.
+        `env`: an `envs.Environment` or `envs.EpisodeRunner` (default: the config's `env:`
+        section): each completion is then a multi-turn episode (docs/environments.md), its
+        record holding every token, the action mask and `metadata["episode"]`."""
+        runner = self.episode_runner(env)
+        if runner is not None:
+            records, s = sample_episodes(
+                runner, problems, n or self.config.generate.n, group_offset=group_offset,
+                sample=lambda ids, turns: self.sample(ids, n=n, seed=seed, weights=weights,
+                                                      version=version, on_segment=on_segment,
+                                                      turns=turns))
+            for record, versions in zip(records, s.versions or (), strict=s.versions is not None):
+                record.metadata["weight_versions"] = version_runs(versions)
+            return records
         texts = [self.task.prompt(p) for p in problems]
         ids = self.encode(texts)
         s = self.sample(ids, n=n, seed=seed, weights=weights, version=version,
@@ -282,7 +322,8 @@ class Policy:
               ) -> list[np.ndarray]:
         """Per-completion token log-probs under the current weights with the train step's
         numerics (its `forward` and chunked log-prob kernel) at `temperature` (default: the
-        loss's, `train.loss_fn.temperature`). At most `train.batch_size` records per call."""
+        loss's, `train.loss_fn.temperature`). At most `train.batch_size` records per call.
+        An episode's environment tokens are context, never actions: 0.0 there."""
         t = loss_temperature(self.config) if temperature is None else float(temperature)
         batch = self.batch(records, require_mu=False)
         logp = host_array(self._score_fn(t)(self.state.params, self.state.model_state, batch))
@@ -290,7 +331,8 @@ class Policy:
         out = []
         for i, r in enumerate(records):
             start = r.prompt_ids.size - 1
-            out.append(logp[i, start:start + r.completion_ids.size].astype(np.float32))
+            lp = logp[i, start:start + r.completion_ids.size].astype(np.float32)
+            out.append(np.where(r.model_tokens(where=f"records[{i}]"), lp, np.float32(0.0)))
         return out
 
     def step(self, records_or_batch: Sequence[Record] | Any) -> dict[str, float]:
@@ -333,7 +375,9 @@ class Policy:
             batch_size=e.batch_size or g.batch_size, seed=e.seed if seed is None else seed,
             maj_k=e.maj_k, trials=e.bootstrap_trials,
             chat_template=self.config.data.chat_template, progress=False,
-            sampler=self.config.generate.sampler_options())
+            sampler=self.config.generate.sampler_options(),
+            runner=runner_for(self.config, task, self.tokenizer,
+                              max_new_tokens=e.max_new_tokens))
         return summary
 
     def save(self, directory: str | None = None, *, meta: Mapping[str, Any] | None = None) -> str:

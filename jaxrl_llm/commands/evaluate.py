@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.commands.config import load_experiment_config
     from jaxrl_llm.core.paths import as_path
+    from jaxrl_llm.envs.sampled import runner_for
     from jaxrl_llm.eval.during_training import eval_task
     from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
     from jaxrl_llm.policy.opener import open_model
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         trials=e.bootstrap_trials, verifier=verifier,
         verifications=args.verifications or e.verifications, chat_template=config.data.chat_template,
         sampler=config.generate.sampler_options(),
+        runner=runner_for(config, task, tokenizer, max_new_tokens=e.max_new_tokens),
     )
     summary.update(info, split=e.split, label=args.label or as_path(info["model"]).name)
     out = write_eval(args.out or as_path(config.run_dir) / "eval", summary, graded, problems)

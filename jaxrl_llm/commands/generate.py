@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = generate_vllm_records(config, model, out, overwrite=args.overwrite)
         print(f"wrote {manifest.num_records} records to {out}")
         return 0
+    from jaxrl_llm.envs.sampled import runner_for
     from jaxrl_llm.generate.jax_backend import generate_records
     from jaxrl_llm.weights.loading import check_fits_context, model_context
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         stop_at_eos=g.stop_at_eos, records_per_shard=g.records_per_shard,
         model_name=config.model.path or config.model.source, overwrite=args.overwrite,
         chat_template=d.chat_template, sampler=config.generate.sampler_options(),
+        runner=runner_for(config, task, tokenizer),
     )
     print(f"wrote {manifest.num_records} records ({manifest.num_correct} correct, "
           f"{manifest.num_invalid} invalid) to {out}")

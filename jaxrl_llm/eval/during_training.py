@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxrl_llm.core.errors import ConfigError
+from jaxrl_llm.envs.sampled import runner_for
 from jaxrl_llm.eval.evaluate import evaluate_model
 from jaxrl_llm.tasks import task_from_config
 
@@ -38,6 +39,8 @@ def make_eval_hook(config: Any, tokenizer: Any, *, progress: bool = False
         raise ConfigError(f"train.eval_every: eval.split={e.split!r} of data.task={config.data.task!r} "
                           "has no questions")
 
+    runner = runner_for(config, task, tokenizer, max_new_tokens=e.max_new_tokens)
+
     def hook(step: int, state: Any) -> Mapping[str, float]:
         summary, _ = evaluate_model(
             state.model(), tokenizer, task, problems, n=e.n,
@@ -45,7 +48,7 @@ def make_eval_hook(config: Any, tokenizer: Any, *, progress: bool = False
             max_new_tokens=e.max_new_tokens or g.max_new_tokens,
             batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=(1,), trials=2,
             chat_template=config.data.chat_template, progress=progress,
-            sampler=config.generate.sampler_options(),
+            sampler=config.generate.sampler_options(), runner=runner,
             desc=" ".join(filter(None, ("evaluate", getattr(task, "name", ""), f"at step {step}"))))
         top = max(summary["pass_at_k"], key=int)
         return {"pass_at_1": summary["pass_at_1"]["mean"], "pass_at_1_se": summary["pass_at_1"]["se"],

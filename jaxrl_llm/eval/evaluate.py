@@ -20,6 +20,8 @@ from jaxrl_llm.core.atomic import atomic_open, atomic_write_text
 from jaxrl_llm.core.paths import PathLike, as_path
 from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.core.signals import stop_point
+from jaxrl_llm.envs.episodes import EpisodeRunner
+from jaxrl_llm.envs.sampled import RowTurns, begin_episodes, episode_records, rollout_metrics
 from jaxrl_llm.eval.metrics import EvalSamples, evaluation_summary
 from jaxrl_llm.generate.completions import encode_prompts, format_prompts
 from jaxrl_llm.generate.jax_backend import (
@@ -47,6 +49,8 @@ class Graded:
     correct: list[list[bool]]
     # Per sample: None, or why its reward could not be computed ("timeout", "verifier_error").
     reward_errors: list[list[str | None]] = field(default_factory=list)
+    # Multi-turn episodes only: turns, tool calls and truncations per episode
+    episodes: dict[str, Any] = field(default_factory=dict)
 
     def samples(self) -> EvalSamples:
         return EvalSamples.from_answers(self.answers, self.correct)
@@ -57,17 +61,23 @@ def sample_and_grade(
     temperature: float, max_new_tokens: int, batch_size: int = 8, seed: int = 0,
     chat_template: bool | None = False, progress: bool = True,
     sampler: Mapping[str, Any] | None = None, desc: str | None = None,
+    runner: EpisodeRunner | None = None,
 ) -> Graded:
     """n samples per problem from the JAX sampler, decoded and scored by the task. A bar
     (named `desc`, default "evaluate TASK") counts the questions and shows the decode step
     within a batch (`jaxrl_llm/core/progress.py`);
     `sampler`: `build_sampler`'s batching keywords (`GenerateConfig.sampler_options`);
-    Ctrl-C or SIGTERM stops after the current decode segment, before anything is written."""
+    Ctrl-C or SIGTERM stops after the current decode segment, before anything is written.
+    `runner`: each sample is a multi-turn episode, graded by its environment's reward."""
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n,
                             stop_token_ids=() if eos is None else (int(eos),))
-    prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
-    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
+    if runner is not None:
+        episodes, prompt_ids = begin_episodes(runner, problems, n)
+    else:
+        prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems],
+                                 chat_template=chat_template)
+        prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     sampler = build_sampler(model, tokenizer, prompt_ids, batch_size=batch_size, n=n,
                             max_new_tokens=max_new_tokens, key="eval.batch_size",
                             segment_s=SEGMENT_S, **(sampler or {}))
@@ -79,10 +89,15 @@ def sample_and_grade(
                                   batches=progress_batches(sampler, [len(problems)]),
                                   max_new_tokens=max_new_tokens)
         try:
-            completions = sample_completions(sampler, prompt_ids, params, jax.random.key(seed),
-                                             status)
+            completions = sample_completions(
+                sampler, prompt_ids, params, jax.random.key(seed), status,
+                turns=None if runner is None else RowTurns(runner, episodes))
         finally:
             bar.close()
+    if runner is not None:
+        return _graded_episodes(episode_records(runner, episodes, n=n,
+                                                tokens=[c.token_ids for c in completions]),
+                                len(problems), n, tokenizer)
     texts = [tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
              for c in completions]
     results = task.score_many([problems[c.prompt_index] for c in completions], texts)
@@ -94,6 +109,23 @@ def sample_and_grade(
         graded.answers[c.prompt_index].append(None if result.invalid else result.answer)
         graded.correct[c.prompt_index].append(bool(result.correct))
         graded.reward_errors[c.prompt_index].append(result.info.get("reward_error"))
+    return graded
+
+
+def _graded_episodes(records: Sequence[Any], questions: int, n: int, tokenizer: Any) -> Graded:
+    """Episodes' records as graded samples: the environment's reward decides, the text is
+    the model's last turn."""
+    graded = Graded([[] for _ in range(questions)], [[] for _ in range(questions)],
+                    [[] for _ in range(questions)], [[] for _ in range(questions)],
+                    episodes=rollout_metrics(records))
+    for row, record in enumerate(records):
+        q = row // n
+        last = [t for t in record.metadata["episode"]["turns"] if t["kind"] == "model"][-1]
+        graded.texts[q].append(tokenizer.decode(
+            record.completion_ids[last["start"]:last["end"]].tolist(), skip_special_tokens=True))
+        graded.answers[q].append(None if record.invalid else record.answer)
+        graded.correct[q].append(bool(record.correct))
+        graded.reward_errors[q].append(record.metadata.get("reward_error"))
     return graded
 
 
@@ -139,6 +171,7 @@ def evaluate_model(
     maj_k: Sequence[int] = (1, 4), trials: int = 100,
     verifier: tuple[Any, Any] | None = None, verifications: int = 4, chat_template: bool | None = False,
     progress: bool = True, sampler: Mapping[str, Any] | None = None, desc: str | None = None,
+    runner: EpisodeRunner | None = None,
 ) -> tuple[dict[str, Any], Graded]:
     """(eval.json dict, graded samples) of `model` on `problems`; with `verifier`
     (= (model, tokenizer)) also weighted self-consistency (TOPR §4.4). `sampler`: the
@@ -147,7 +180,7 @@ def evaluate_model(
     graded = sample_and_grade(model, tokenizer, task, problems, n=n, temperature=temperature,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
                               chat_template=chat_template, progress=progress, sampler=sampler,
-                              desc=desc)
+                              desc=desc, runner=runner)
     verdicts = None
     if verifier is not None:
         verdicts = verify_samples(verifier[0], verifier[1], problems, graded,
@@ -160,6 +193,8 @@ def evaluate_model(
     summary.update(reward_error_metrics([e for row in graded.reward_errors for e in row]))
     if verdicts is not None:
         summary["verifier_invalid_rate"] = float((verdicts < 0).mean())
+    if graded.episodes:  # multi-turn: turns and tool calls per episode
+        summary["episodes"] = graded.episodes
     summary.update(task=getattr(task, "name", ""), temperature=temperature,
                    max_new_tokens=max_new_tokens, seed=seed)
     return summary, graded

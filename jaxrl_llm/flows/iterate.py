@@ -42,6 +42,7 @@ from jaxrl_llm.data.run_layout import (  # noqa: F401
 )
 from jaxrl_llm.data.shards import RecordSource
 from jaxrl_llm.data.stages import choose_input, needs_score
+from jaxrl_llm.envs.sampled import runner_for
 from jaxrl_llm.eval.evaluate import evaluate_model, write_eval
 from jaxrl_llm.eval.metrics import SolveTracker, pass_at_k_per_question
 from jaxrl_llm.generate.jax_backend import generate_records
@@ -115,6 +116,7 @@ def evaluate_into(model: Any, tokenizer: Any, task: Any, config: ExperimentConfi
         batch_size=e.batch_size or g.batch_size, seed=e.seed, maj_k=e.maj_k,
         trials=e.bootstrap_trials, chat_template=config.data.chat_template,
         sampler=config.generate.sampler_options(),
+        runner=runner_for(config, task, tokenizer, max_new_tokens=e.max_new_tokens),
     )
     summary["label"] = label
     if step is not None:
@@ -237,6 +239,7 @@ def run_iteration(
                 seed=sampling_seed(config, index), stop_at_eos=g.stop_at_eos,
                 model_name=f"iter_{index - 1}", overwrite=True, progress=progress,
                 chat_template=d.chat_template, sampler=config.generate.sampler_options(),
+                runner=runner_for(config, task, tokenizer),
             )
         sample_stats = record_sample_metrics(config, index, records)
         log.mark("generate", {"records": str(records), "num_records": manifest.num_records,

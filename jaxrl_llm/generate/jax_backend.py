@@ -16,9 +16,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.progress import progress_bar, set_status
 from jaxrl_llm.core.signals import stop_point
 from jaxrl_llm.data.shards import Manifest, SamplingInfo, ShardWriter
+from jaxrl_llm.envs.episodes import EpisodeRunner
+from jaxrl_llm.envs.sampled import RowTurns, begin_episodes, episode_records
 from jaxrl_llm.generate.completions import (
     Completion,
     build_records,
@@ -71,13 +74,17 @@ def progress_batches(sampler: Any, prompts_per_call: Sequence[int]) -> int:
 
 def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params: Any,
                        key: jax.Array, progress: SamplingProgress | None = None,
-                       first_id: int = 0) -> list[Completion]:
+                       first_id: int = 0, turns: Any = None) -> list[Completion]:
     """Run the sampler; one `Completion` per (prompt, sample), with `progress`'s callbacks.
-    `first_id`: the data-set index of prompt_ids[0] (its samples' noise is keyed by it)."""
+    `first_id`: the data-set index of prompt_ids[0] (its samples' noise is keyed by it).
+    `turns`: multi-turn episodes (`envs.sampled.RowTurns`; the continuous sampler only)."""
+    if turns is not None and not hasattr(sampler, "slots"):
+        raise ConfigError("environments (env.name) need generate.batching: continuous")
     out = sampler.generate(prompt_ids, params, key,
                            on_batch=progress and progress.on_batch,
                            on_segment=progress and progress.on_segment,
-                           prompt_ids=range(first_id, first_id + len(prompt_ids)))
+                           prompt_ids=range(first_id, first_id + len(prompt_ids)),
+                           **({"turns": turns} if turns is not None else {}))
     completions = []
     for row in range(out.tokens.shape[0]):
         n = int(out.lengths[row])
@@ -113,14 +120,21 @@ def generate_records(
     overwrite: bool = False,
     progress: bool = True,
     sampler: Mapping[str, Any] | None = None,
+    runner: EpisodeRunner | None = None,
 ) -> Manifest:
     """Sample `n` completions per problem and write scored records to `out_dir`. `sampler`:
-    the sampler's batching keywords (`GenerateConfig.sampler_options`)."""
+    the sampler's batching keywords (`GenerateConfig.sampler_options`). `runner`: each
+    completion is a multi-turn episode of its environment (docs/environments.md)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())
-    prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems], chat_template=chat_template)
-    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
+    if runner is not None:
+        prompt_ids = begin_episodes(runner, problems, 1)[1]
+        prompts = [tokenizer.decode(ids) for ids in prompt_ids]
+    else:
+        prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems],
+                                 chat_template=chat_template)
+        prompt_ids = encode_prompts(tokenizer, prompts, chat_template=chat_template)
     sampler = build_sampler(model, tokenizer, prompt_ids, batch_size=batch_size, n=n,
                             max_new_tokens=max_new_tokens, key="generate.batch_size",
                             segment_s=SEGMENT_S, **(sampler or {}))
@@ -145,6 +159,14 @@ def generate_records(
         try:
             for start in starts:
                 sub = slice(start, start + chunk)
+                if runner is not None:  # each sample an episode (envs/sampled.py)
+                    episodes = begin_episodes(runner, problems[sub], n)[0]
+                    done = sample_completions(sampler, prompt_ids[sub], params, key, status,
+                                              first_id=start, turns=RowTurns(runner, episodes))
+                    writer.write_all(episode_records(
+                        runner, episodes, n=n, group_offset=start,
+                        tokens=[c.token_ids for c in done]))
+                    continue
                 # Noise keyed by (seed, data-set index, sample): the chunking changes nothing.
                 completions = sample_completions(sampler, prompt_ids[sub], params, key, status,
                                                  first_id=start)

@@ -48,6 +48,8 @@ from jaxrl_llm.core.progress import progress_bar
 from jaxrl_llm.core.signals import stop_point
 from jaxrl_llm.data.chunked import ChunkedRecordWriter
 from jaxrl_llm.data.shards import SamplingInfo
+from jaxrl_llm.envs.registry import env_from_config, runner_from_config
+from jaxrl_llm.envs.sampled import begin_episodes, episode_records
 from jaxrl_llm.generate.completions import (
     Completion,
     build_records,
@@ -56,6 +58,7 @@ from jaxrl_llm.generate.completions import (
     sampler_logprob_info,
 )
 from jaxrl_llm.generate.vllm_env import apply_environment, require_vllm
+from jaxrl_llm.generate.vllm_episodes import run_episodes
 from jaxrl_llm.tasks import task_from_config
 from jaxrl_llm.weights.hub import is_hub_id
 
@@ -230,13 +233,19 @@ class VllmEngine:
         self.model = model_dir
 
     def sample(self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], *, n: int,
-               temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-               stop_at_eos: bool = True) -> list[Completion]:
+               temperature: float, top_p: float, top_k: int,
+               max_new_tokens: int | Sequence[int], stop_at_eos: bool = True,
+               stop_token_ids: Sequence[int] = ()) -> list[Completion]:
+        """n completions per prompt (token ids in, token ids and log-probs out);
+        `max_new_tokens` for all prompts or one per prompt."""
         from vllm import SamplingParams
 
+        lengths = ([max_new_tokens] * len(seeds) if isinstance(max_new_tokens, int)
+                   else list(max_new_tokens))
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k or -1,
-                                 max_tokens=max_new_tokens, logprobs=1, seed=s,
-                                 ignore_eos=not stop_at_eos) for s in seeds]
+                                 max_tokens=m, logprobs=1, seed=s, ignore_eos=not stop_at_eos,
+                                 stop_token_ids=list(stop_token_ids) or None)
+                  for s, m in zip(seeds, lengths, strict=True)]
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids],
                                     params, use_tqdm=False)
         return completions_from_request_outputs(outputs, logprobs_mode=self.settings.logprobs_mode)
@@ -310,9 +319,15 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
         problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
     model_limits(model)
     tokenizer = engine.tokenizer() if engine is not None else AutoTokenizer.from_pretrained(model)
-    prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems],
-                             chat_template=d.chat_template)
-    prompt_ids = encode_prompts(tokenizer, prompts, chat_template=d.chat_template)
+    env = env_from_config(config, task)  # multi-turn episodes (generate/vllm_episodes.py)
+    runner = runner_from_config(config, env, tokenizer) if env is not None else None
+    if runner is not None:
+        prompt_ids = begin_episodes(runner, problems, 1)[1]
+        prompts = [tokenizer.decode(ids) for ids in prompt_ids]
+    else:
+        prompts = format_prompts(tokenizer, [task.prompt(p) for p in problems],
+                                 chat_template=d.chat_template)
+        prompt_ids = encode_prompts(tokenizer, prompts, chat_template=d.chat_template)
     max_len = needed_model_len([*prompt_ids, *(model_len_prompts or [])], g.max_new_tokens,
                                g.vllm_max_model_len)
     settings = engine.settings if engine is not None else \
@@ -329,6 +344,7 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
                    "max_new_tokens": g.max_new_tokens, "stop_at_eos": g.stop_at_eos,
                    "dtype": settings.dtype, "logprobs_mode": settings.logprobs_mode,
                    "chunk_prompts": chunk, "engine": str(install),
+                   **({"env": config.env.model_dump()} if runner is not None else {}),
                    **({"hf_overrides": settings.hf_overrides} if settings.hf_overrides else {})}
     writer = ChunkedRecordWriter(
         out, num_chunks=len(chunks), fingerprint=fingerprint, overwrite=overwrite,
@@ -351,11 +367,20 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
             for c in todo:
                 stop.check("generate")  # between chunks: each written chunk is kept and resumed
                 rows = chunks[c]
+                sub = slice(rows.start, rows.stop)
+                if runner is not None:
+                    episodes = begin_episodes(runner, problems[sub], g.n)[0]
+                    run_episodes(engine, runner, episodes, seeds[sub], n=g.n,
+                                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                 max_new_tokens=g.max_new_tokens)
+                    writer.write_chunk(c, episode_records(runner, episodes, n=g.n,
+                                                          group_offset=rows.start))
+                    bar.update(len(rows))
+                    continue
                 completions = engine.sample(
                     [prompt_ids[i] for i in rows], [seeds[i] for i in rows], n=g.n,
                     temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                     max_new_tokens=g.max_new_tokens, stop_at_eos=g.stop_at_eos)
-                sub = slice(rows.start, rows.stop)
                 writer.write_chunk(c, build_records(task, problems[sub], prompt_ids[sub], completions,
                                                     tokenizer, group_offset=rows.start,
                                                     prompts=prompts[sub]))

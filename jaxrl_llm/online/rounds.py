@@ -58,11 +58,15 @@ def reward_metrics(records: Sequence[Record], n: int, ks: Sequence[int]) -> dict
     return out
 
 
-def logprob_mismatch(sampler: Sequence[np.ndarray], trainer: Sequence[np.ndarray]) -> dict[str, float]:
-    """Per-token |sampler − trainer| log-prob differences over all completion tokens: max and
-    mean (the `mu_mismatch_*` metrics)."""
-    diffs = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-             for a, b in zip(sampler, trainer, strict=True) if len(a)]
+def logprob_mismatch(sampler: Sequence[np.ndarray], trainer: Sequence[np.ndarray],
+                     masks: Sequence[np.ndarray] | None = None) -> dict[str, float]:
+    """Per-token |sampler − trainer| log-prob differences over the completions' model tokens
+    (`masks`: bool per token, an episode's action mask; None: every token): max and mean
+    (the `mu_mismatch_*` metrics)."""
+    masks = masks if masks is not None else [np.ones(len(a), bool) for a in sampler]
+    diffs = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))[np.asarray(m, bool)]
+             for a, b, m in zip(sampler, trainer, masks, strict=True)]
+    diffs = [d for d in diffs if d.size]
     if not diffs:
         return {"mu_mismatch_max": 0.0, "mu_mismatch_mean": 0.0}
     flat = np.concatenate(diffs)

@@ -152,7 +152,8 @@ def round_mu(policy: Policy, config: OnlineConfig, run: RunState, records: list[
     if run.mu_source in ("trainer", "check"):
         size = config.train.batch_size
         mu = [m for i in range(0, len(records), size) for m in policy.score(records[i:i + size])]
-        metrics = logprob_mismatch([r.raw_logprobs for r in records], mu)
+        metrics = logprob_mismatch([r.raw_logprobs for r in records], mu,
+                                   [r.model_tokens() for r in records])
         if run.mu_source == "check":  # auto, first round: decided once, kept in checkpoints
             run.mu_source = ("sampler" if metrics["mu_mismatch_max"] <= o.max_mu_mismatch
                              else "trainer")

@@ -15,9 +15,11 @@ from typing import Any
 
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.data.records import Record
+from jaxrl_llm.envs.sampled import begin_episodes, episode_records
 from jaxrl_llm.generate.completions import build_records
 from jaxrl_llm.generate.vllm import VllmEngine, engine_settings, needed_model_len, prompt_seeds
 from jaxrl_llm.generate.vllm_env import require_vllm
+from jaxrl_llm.generate.vllm_episodes import run_episodes
 from jaxrl_llm.online.run_state import untruncated
 
 
@@ -43,7 +45,9 @@ class VllmRollout:
         check_vllm_worker(policy.config)
         self.install = require_vllm()
         # the engine's length fits every prompt of the pool, so no later round outgrows it
-        every = policy.encode([policy.task.prompt(p) for p in problems])
+        self._runner = policy.episode_runner()  # multi-turn episodes (env:), or None
+        every = (begin_episodes(self._runner, problems, 1)[1] if self._runner is not None
+                 else policy.encode([policy.task.prompt(p) for p in problems]))
         self._model_len = needed_model_len(every, g.max_new_tokens, g.vllm_max_model_len)
         self._dir = Path(tempfile.mkdtemp(prefix="jaxrl-online-vllm-"))
         self._engine: VllmEngine | None = None
@@ -73,11 +77,18 @@ class VllmRollout:
         """`Policy.rollout` on vLLM: prompt i's seed derives from (seed, group_offset + i)."""
         g, task = self._policy.config.generate, self._policy.task
         engine = self._load()
+        seeds = prompt_seeds(seed, [group_offset + i for i in range(len(problems))])
+        if self._runner is not None:  # each sample an episode (generate/vllm_episodes.py)
+            episodes = begin_episodes(self._runner, problems, n or g.n)[0]
+            run_episodes(engine, self._runner, episodes, seeds, n=n or g.n,
+                         temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                         max_new_tokens=g.max_new_tokens)
+            records = episode_records(self._runner, episodes, n=n or g.n,
+                                      group_offset=group_offset)
+            return [r.replace(raw_logprobs=r.behavior_logprobs) for r in records]
         texts = [task.prompt(p) for p in problems]
         ids = self._policy.encode(texts)
-        completions = engine.sample(ids, prompt_seeds(seed, [group_offset + i for i in
-                                                             range(len(problems))]),
-                                    n=n or g.n, temperature=g.temperature, top_p=g.top_p,
+        completions = engine.sample(ids, seeds, n=n or g.n, temperature=g.temperature, top_p=g.top_p,
                                     top_k=g.top_k, max_new_tokens=g.max_new_tokens,
                                     stop_at_eos=g.stop_at_eos)
         records = build_records(task, list(problems), ids, completions, self._policy.tokenizer,
