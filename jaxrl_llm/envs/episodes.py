@@ -121,10 +121,11 @@ class EpisodeRunner:
         episode.behavior_logprobs += logprobs
         stop = ("end_of_turn" if model_ids and model_ids[-1] == self.renderer.end_of_turn_id
                 else "stop" if finished_by_stop else "length")
-        episode.turns.append({"kind": "model", "start": start, "end": len(episode.completion_ids),
-                              "stop": stop})
         episode.model_turns.append(self.renderer.tokenizer.decode(model_ids,
                                                                   skip_special_tokens=True))
+        # the turn's own text, so `data show` prints each turn where it is
+        episode.turns.append({"kind": "model", "start": start, "end": len(episode.completion_ids),
+                              "stop": stop, "text": episode.model_turns[-1]})
         future: concurrent.futures.Future = concurrent.futures.Future()
         if stop == "length":
             return self._end(future, episode, "max_tokens")
