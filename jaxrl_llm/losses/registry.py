@@ -149,12 +149,13 @@ def _stale(name: str, minimises: str, options: tuple[Option, ...], *,
 
 
 def _async(name: str, module: str, minimises: str, options: tuple[Option, ...], *,
-           advantages: str | None, check: OptionsCheck | None = None, **needs: bool) -> LossSpec:
+           advantages: str | None, check: OptionsCheck | None = None,
+           inputs: tuple[str, ...] = _GROUP_INPUTS, **needs: bool) -> LossSpec:
     """The async-RL objectives of 2025–26 (docs/kernels.md § Async-RL objectives): μ and whole
     groups; `advantages` names the module's full-batch advantage function."""
     fn = None if advantages is None else (lambda: getattr(_module(module), advantages))
     return LossSpec(name, lambda: getattr(_module(module), f"{name}_loss"), "async", minimises,
-                    positive="group", needs_mu=True, inputs=_GROUP_INPUTS, needs_groups=True,
+                    positive="group", needs_mu=True, inputs=inputs, needs_groups=True,
                     options=options, check=check, advantages=fn, **needs)
 
 
@@ -268,7 +269,9 @@ _SPECS = (
            "group soft value (arXiv:2602.19362)", OAPL_OPTIONS, advantages="oapl_advantages"),
     _async("vcpo", "variance_controlled", "−[π/μ]^C·(R − b*)/σ·log π, b* = OPOB, step × "
            "√(ESS/N) (arXiv:2602.17616)", (*VCPO_OPTIONS, AGGREGATION, STD_DDOF),
-           advantages=None, check=vcpo_check, needs_score_norms=True),
+           advantages=None, check=vcpo_check, needs_score_norms=True,
+           # a direct call computes the OPOB from them (the step passes advantages instead)
+           inputs=(*_GROUP_INPUTS, "score_sq_norms")),
     LossSpec("asymre", lambda: _module("policy_gradient").asymre_loss, "asymre",
              "−(R − mean_group R − δV)·log π, no ratio (arXiv:2506.20520)", positive="group",
              inputs=("logp", "mask", "rewards", "group_ids"), needs_groups=True,

@@ -61,7 +61,8 @@ def test_the_config_has_one_field_per_declared_option_with_its_default_and_bound
     assert fields["m2po_tau"].default == 0.04
     assert [m.gt for m in fields["m2po_tau"].metadata] == [0]
     assert fields["m2po_tau"].description.startswith("m2po: ")
-    assert owners("std_ddof") == ("grpo", "cispo", "gspo", "icepop", "m2po", "vespo")
+    assert owners("std_ddof") == ("grpo", "cispo", "gspo", "icepop", "m2po", "vespo", "dppo",
+                                  "trm", "vcpo")
 
 
 @pytest.mark.parametrize(("loss", "key", "owner"), [
@@ -69,9 +70,10 @@ def test_the_config_has_one_field_per_declared_option_with_its_default_and_bound
     ({"name": "icepop", "m2po_tau": 0.1}, "m2po_tau", "m2po"),
     ({"name": "cispo", "icepop_level": "sequence"}, "icepop_level", "icepop"),
     ({"name": "topr", "clip_eps_low": 0.1}, "clip_eps_low", "ppo / grpo / dr_grpo"),
-    ({"name": "dr_grpo", "std_ddof": 1}, "std_ddof", "grpo / cispo / gspo / icepop / m2po / vespo"),
+    ({"name": "dr_grpo", "std_ddof": 1}, "std_ddof",
+     "grpo / cispo / gspo / icepop / m2po / vespo / dppo / trm / vcpo"),
     ({"name": "off_rl", "aggregation": "token-mean"}, "aggregation",
-     "topr / sft / reinforce / opr / tis / ppo / grpo"),
+     "topr / sft / reinforce / opr / tis / ppo / grpo / dppo / trm / vcpo / asymre"),
 ])
 def test_an_option_of_another_loss_names_the_key_its_owners_and_the_chosen_loss(loss, key, owner):
     with pytest.raises(ConfigError) as err:

@@ -584,8 +584,9 @@ def test_registry_covers_config_names_and_inputs():
     from jaxrl_llm.config import ConfigError, load_config
 
     stale = {"cispo", "gspo", "icepop", "m2po", "vespo"}  # tests/losses/test_stale_is.py
+    async_rl = {"dppo", "trm", "oapl", "vcpo"}  # tests/losses/test_{dppo,trm,oapl,vcpo}.py
     names = {"topr", "sft", "reinforce", "opr", "tis", "ppo", "grpo", "dr_grpo",
-             "off_rl", "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo"} | stale
+             "off_rl", "off_rl_kl", "fpa", "dpo", "rpo", "kto", "apo", "asymre"} | stale | async_rl
     assert set(LOSS_SPECS) == names
     for name in names:  # the config accepts exactly the registry's names
         assert load_config(None, [f"loss.name={name}"]).loss.name == name
@@ -593,15 +594,18 @@ def test_registry_covers_config_names_and_inputs():
         load_config(None, ["loss.name=dpo_typo"])
     logp, logmu, mask, rewards = _random_batch(4)
     arrays = {"logp": logp, "logmu": logmu, "mask": mask, "rewards": rewards,
-              "group_ids": np.array([0, 0, 1, 1, 2, 2]), "ref_logp": logmu, "logp_hat": logmu}
+              "group_ids": np.array([0, 0, 1, 1, 2, 2]), "ref_logp": logmu, "logp_hat": logmu,
+              "score_sq_norms": np.linspace(1.0, 2.0, 6)}
     for name, spec in LOSS_SPECS.items():
         if spec.family == "preference":
             continue  # pair/group fields: tests/losses/test_preference.py
         out = spec.kernel(**{k: arrays[k] for k in spec.inputs})
         # grpo's default aggregation is token-mean (weight = tokens), as cispo, icepop, m2po and
-        # vespo's (the papers' 1/Σ|o_i|); the rest count records (gspo: 1/G)
+        # vespo's (the papers' 1/Σ|o_i|); the rest count records (gspo: 1/G; dppo, trm, vcpo:
+        # Σ over a sequence's tokens, mean over sequences; oapl, asymre: per record)
         expected_weight = mask.sum() if name == "grpo" or name in stale - {"gspo"} else B
         assert float(out.weight) == expected_weight and np.isfinite(float(out.loss)), name
-    # the ratio losses are exactly those with μ in their inputs and a truncation bound < ∞ or PPO
+    # the ratio losses are exactly those with μ in their inputs and a truncation bound < ∞ or PPO,
+    # and OAPL, whose μ is its π_lag (no ratio weight)
     assert {n for n, s in LOSS_SPECS.items() if s.needs_mu} == {
-        "topr", "opr", "tis", "ppo", "grpo", "dr_grpo"} | stale
+        "topr", "opr", "tis", "ppo", "grpo", "dr_grpo"} | stale | async_rl
