@@ -20,8 +20,9 @@ device; `parallel/rules.py` maps the "experts" logical axis there) and the batch
 All-gather + reduce-scatter moves (ep−1)/ep of the group's tokens per layer whatever the
 routing, with static shapes and no dropped token. An all-to-all moves only the rows that
 change devices, but with static shapes a dropless one must size every buffer for the worst
-case (all of a device's k·n pairs to one peer): ep·k·n rows received, k times the all-gather's
-traffic (`moe_dispatch: all_to_all`, kept to measure it against: benchmarks/moe_dispatch.py).
+case (all of a device's k·n pairs to one peer): ep·k·n rows each way (`moe_dispatch:
+all_to_all`, kept to measure against: benchmarks/moe_dispatch.py; compiled for a v5e:2x4
+with top-8 it moved 11-16x the bytes and needed 1.4x the temporaries, docs/plan.md).
 """
 
 from __future__ import annotations

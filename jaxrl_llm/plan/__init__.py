@@ -126,6 +126,15 @@ def refuse_before_compiling(config: ExperimentConfig, decoder: Any, mesh: Any,
         "or raise mesh.fsdp.")
 
 
+def inactive_expert_params(decoder: Any) -> int:
+    """Parameters a token does not use: the experts it is not routed to (E − k of each
+    layer's E SwiGLU experts, 3·d·F each); 0 for a dense decoder."""
+    if not decoder.is_moe:
+        return 0
+    per_expert = 3 * decoder.hidden_size * decoder.moe_intermediate_size
+    return decoder.num_layers * per_expert * (decoder.num_experts - decoder.num_experts_per_tok)
+
+
 def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
@@ -149,7 +158,8 @@ def _tpu_devices(topology: str) -> list[Any]:
 def _needed_devices(config: ExperimentConfig) -> int:
     if config.plan.num_devices is not None:
         return config.plan.num_devices
-    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.mesh.context]
+    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.mesh.context,
+             config.mesh.expert]
     if -1 in sizes:
         raise ConfigError(
             "plan on CPU: mesh has a -1 axis, so set plan.num_devices to say how many devices "
@@ -322,6 +332,8 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
     infos, sections = _array_infos(state)
     n_params = count_params(state.params)
     frozen = count_params(state.model_state)  # the frozen base under LoRA; else ≈ 0
+    # a mixture of experts: a token's matmuls use only its k experts' weights
+    active = n_params + frozen - inactive_expert_params(decoder)
     tokens = config.train.batch_size * config.train.max_seq_len
     if impl == "splash" and config.train.max_seq_len // context_shards(mesh) % 128:
         impl = "jnp"  # models/attention.py: the kernel tiles 128-multiple sequences per device
@@ -346,7 +358,8 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         code_bytes=int(mem.generated_code_size_in_bytes),
         state_bytes_per_device=sum(sections.values()),
         flops_per_device=float(cost.get("flops", float("nan"))),
-        model_flops_6nd=6.0 * (n_params + frozen) * tokens,
+        model_flops_6nd=6.0 * active * tokens,
+        active_params=active if decoder.is_moe else None,
         chip_memory_bytes=_chip_memory(config),
         largest=infos[:top],
         frozen_params=frozen,
@@ -356,7 +369,7 @@ def make_plan(config: ExperimentConfig, *, top: int = 8) -> PlanReport:
         pallas_kernels=compiled.as_text().count("tpu_custom_call"),
         bytes_accessed_per_device=float(cost.get("bytes accessed", float("nan"))),
         attention_flops=attn,
-        hardware_flops=recompute * (6.0 * (n_params + frozen) * tokens + attn),
+        hardware_flops=recompute * (6.0 * active * tokens + attn),
         chip_peak=_chip_peak(config),
         context=context_split(config, decoder, mesh),
         sampler=sampler,

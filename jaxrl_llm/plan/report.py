@@ -65,6 +65,9 @@ class PlanReport:
     largest: list[ArrayInfo] = field(default_factory=list)
     # LoRA (model.lora): `num_params` counts the trainable adapters, these the frozen base.
     frozen_params: int = 0
+    # a mixture of experts: the parameters one token's matmuls use (its k experts' of E);
+    # `model_flops_6nd` counts these
+    active_params: int | None = None
     lora: dict[str, Any] | None = None
     # Per-device bytes of each part of the state: params, opt_state, ref_params, model_state.
     section_bytes: dict[str, int] = field(default_factory=dict)
@@ -131,6 +134,8 @@ def format_report(r: PlanReport) -> str:
     if r.fallback_note:
         lines += [f"> NOTE: {r.fallback_note}", ""]
     params = f"{r.num_params / 1e6:,.1f} M parameters"
+    if r.active_params is not None:
+        params += f" ({r.active_params / 1e6:,.1f} M active per token: a mixture of experts)"
     if r.lora is not None:
         targets = ", ".join(r.lora["targets"])
         params = (f"{(r.num_params + r.frozen_params) / 1e6:,.1f} M parameters, of which "
@@ -164,7 +169,8 @@ def format_report(r: PlanReport) -> str:
     lines += [
         f"| FLOPs per step (per device / all devices) | {r.flops_per_device:.3e} / "
         f"{total:.3e} |",
-        f"| 6·N·tokens (model FLOPs, no attention) | {r.model_flops_6nd:.3e} |",
+        f"| 6·N·tokens (model FLOPs, no attention{'; N active' if r.active_params else ''})"
+        f" | {r.model_flops_6nd:.3e} |",
         f"| attention FLOPs (causal, fwd + bwd) | {r.attention_flops:.3e} |",
         f"| attention kernel | {r.attention} ({r.pallas_kernels} Pallas TPU kernels compiled) |",
     ]

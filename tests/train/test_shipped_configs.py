@@ -22,7 +22,7 @@ PAPER = [p for p in CONFIGS if p.name.startswith(("topr_", "fpa_", "pkpo_"))]
 
 
 def test_there_are_shipped_configs():
-    assert len(CONFIGS) >= 10 and len(PAPER) == 11
+    assert len(CONFIGS) >= 10 and len(PAPER) == 12
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
