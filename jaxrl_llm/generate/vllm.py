@@ -310,6 +310,11 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
     from transformers import AutoTokenizer
 
     g, d = config.generate, config.data
+    if config.model.routing_replay != "off":  # refused before an engine starts
+        raise ConfigError(
+            f"model.routing_replay={config.model.routing_replay} needs records that carry each "
+            "token's experts, which this project's vLLM backend does not record: sample with "
+            "generate.backend=jax, or set model.routing_replay=off (docs/moe.md)")
     seed = config.seed if seed is None else seed
     install = engine.install if engine is not None else require_vllm()
     env = engine.environment if engine is not None else apply_environment(
@@ -319,8 +324,8 @@ def generate_vllm_records(config: Any, model: str, out: str, *, engine: VllmEngi
         problems = task.load(split=g.split, num=d.num_prompts, seed=config.seed)
     model_limits(model)
     tokenizer = engine.tokenizer() if engine is not None else AutoTokenizer.from_pretrained(model)
-    env = env_from_config(config, task)  # multi-turn episodes (generate/vllm_episodes.py)
-    runner = runner_from_config(config, env, tokenizer) if env is not None else None
+    episodic = env_from_config(config, task)  # multi-turn episodes (generate/vllm_episodes.py)
+    runner = runner_from_config(config, episodic, tokenizer) if episodic is not None else None
     if runner is not None:
         prompt_ids = begin_episodes(runner, problems, 1)[1]
         prompts = [tokenizer.decode(ids) for ids in prompt_ids]
