@@ -14,14 +14,20 @@ The inverse of `weights/gguf.py`, with the `gguf` package's `GGUFWriter`:
 Tensor infos are written first and the data one tensor at a time, so host memory holds one
 tensor (not the whole model) however large the model is.
 
-Only what llama.cpp's `llama` architecture computes exactly is written (Llama, SmolLM2,
-Mistral without a sliding window; no RoPE scaling, no attention biases); anything else is a
-`GGUFExportError` naming the family or field.
+Only what llama.cpp computes exactly is written: its `llama` architecture for Llama, SmolLM2,
+Mistral without a sliding window and Mixtral (whose experts llama.cpp's `llama` runs:
+`{arch}.expert_count` / `expert_used_count`, renormalised top-k weights), and its `qwen3moe`
+for Qwen3-MoE (q/k norms, no Q/K permutation: NEOX RoPE is rotate-half; top-k weights always
+renormalised, so norm_topk_prob must be true). A mixture of experts' per-expert HF tensors
+are stacked into llama.cpp's [E, out, in] `ffn_{gate,up,down}_exps`, and the router is
+`ffn_gate_inp`, kept F32 as llama.cpp's converter does. No RoPE scaling, no attention biases;
+anything else is a `GGUFExportError` naming the family or field.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,8 +49,19 @@ GGUF_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-# Our families that llama.cpp's `llama` architecture runs unchanged.
-GGUF_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama"}
+# Our families and the llama.cpp architecture that runs each unchanged.
+GGUF_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "mixtral": "llama",
+                                 "qwen3_moe": "qwen3moe"}
+# HF per-layer names of the tensors only a mixture of experts (or Qwen3's q/k norms) has ->
+# their GGUF names; an expert's index is dropped: its tensors are stacked (gguf MODEL_TENSORS).
+_MOE_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), name) for pattern, name in (
+        (r"(mlp|block_sparse_moe)\.gate\.weight", "ffn_gate_inp.weight"),
+        (r"(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|w1)\.weight", "ffn_gate_exps.weight"),
+        (r"(mlp|block_sparse_moe)\.experts\.\d+\.(up_proj|w3)\.weight", "ffn_up_exps.weight"),
+        (r"(mlp|block_sparse_moe)\.experts\.\d+\.(down_proj|w2)\.weight", "ffn_down_exps.weight"),
+        (r"self_attn\.q_norm\.weight", "attn_q_norm.weight"),
+        (r"self_attn\.k_norm\.weight", "attn_k_norm.weight")))
 _Q8_BLOCK = 32
 
 
@@ -62,13 +79,16 @@ def check_exportable(config: DecoderConfig, gguf_type: str) -> str:
     if arch is None:
         raise GGUFExportError(
             f"GGUF type {gguf_type!r} is not supported for architecture {config.family!r}: "
-            f"GGUF export writes {sorted(GGUF_FAMILIES)} (llama.cpp's 'llama' architecture); "
+            f"GGUF export writes {sorted(GGUF_FAMILIES)} (llama.cpp's 'llama' and 'qwen3moe' "
+            "architectures); "
             "export --format hf instead")
     unsupported = {
         "rope_scaling": config.rope_scaling is not None,
         "sliding_window": config.sliding_window is not None,
         "qkv_bias/o_bias (attention_bias)": config.qkv_bias or config.o_bias,
-        "qk_norm": config.qk_norm,
+        "qk_norm": config.qk_norm != (arch == "qwen3moe"),  # qwen3moe has them, llama not
+        "norm_topk_prob=false (llama.cpp renormalises the top-k weights)":
+            config.is_moe and not config.norm_topk_prob,
     }
     bad = [name for name, is_set in unsupported.items() if is_set]
     if bad:
@@ -76,8 +96,8 @@ def check_exportable(config: DecoderConfig, gguf_type: str) -> str:
                               "(the loader reads plain Llama blocks); export --format hf instead")
     if gguf_type == "q8_0":
         widths = {"hidden_size": config.hidden_size, "intermediate_size":
-                  config.intermediate_size, "num_heads*head_dim":
-                  config.num_heads * config.head_dim}
+                  config.moe_intermediate_size if config.is_moe else config.intermediate_size,
+                  "num_heads*head_dim": config.num_heads * config.head_dim}
         odd = {k: v for k, v in widths.items() if v % _Q8_BLOCK}
         if odd:
             raise GGUFExportError(f"GGUF type 'q8_0' quantises rows in blocks of {_Q8_BLOCK}; "
@@ -86,7 +106,8 @@ def check_exportable(config: DecoderConfig, gguf_type: str) -> str:
 
 
 def gguf_tensor_name(hf_name: str) -> str:
-    """GGUF name of a Hugging Face Llama tensor (inverse of `gguf.hf_tensor_name`)."""
+    """GGUF name of a Hugging Face tensor (inverse of `gguf.hf_tensor_name`); every expert's
+    tensor of one kind gets its stacked tensor's name."""
     for ours, theirs in _GLOBAL_NAMES.items():
         if theirs == hf_name:
             return ours
@@ -95,7 +116,10 @@ def gguf_tensor_name(hf_name: str) -> str:
     for ours, theirs in _BLOCK_NAMES.items():
         if not prefix and theirs == suffix:
             return f"blk.{index}.{ours}"
-    raise GGUFExportError(f"tensor {hf_name!r} has no GGUF 'llama' name")
+    for pattern, ours in _MOE_NAMES:
+        if not prefix and pattern.fullmatch(suffix):
+            return f"blk.{index}.{ours}"
+    raise GGUFExportError(f"tensor {hf_name!r} has no GGUF name")
 
 
 def permute_qk_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -105,9 +129,12 @@ def permute_qk_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
         1, 2).reshape(weight.shape)
 
 
-def _storage(hf_name: str, shape: tuple[int, ...], gguf_type: str) -> GGMLQuantizationType:
-    """Norms (1-D) stay F32 as in llama.cpp; matrices take the requested type."""
-    return GGMLQuantizationType.F32 if len(shape) == 1 else GGUF_TYPES[gguf_type][0]
+def _storage(name: str, shape: tuple[int, ...], gguf_type: str) -> GGMLQuantizationType:
+    """Norms (1-D) and a router (`ffn_gate_inp`) stay F32 as in llama.cpp's converter;
+    matrices take the requested type."""
+    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):
+        return GGMLQuantizationType.F32
+    return GGUF_TYPES[gguf_type][0]
 
 
 def _nbytes(shape: tuple[int, ...], kind: GGMLQuantizationType) -> int:
@@ -221,7 +248,15 @@ def _add_architecture(writer: GGUFWriter, c: DecoderConfig, name: str, gguf_type
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
+    # Mixtral's experts are its MLP (llama.cpp reads their width here); Qwen3-MoE keeps
+    # intermediate_size and gives the experts' width its own key
+    writer.add_feed_forward_length(c.moe_intermediate_size if c.family == "mixtral"
+                                   else c.intermediate_size)
+    if c.is_moe:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if c.family == "qwen3_moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_head_count(c.num_heads)
     writer.add_head_count_kv(c.num_kv_heads)
     writer.add_key_length(c.head_dim)
@@ -232,16 +267,40 @@ def _add_architecture(writer: GGUFWriter, c: DecoderConfig, name: str, gguf_type
     writer.add_vocab_size(c.vocab_size)
 
 
-def _gguf_tensors(model: Any, gguf_type: str) -> Iterator[tuple[str, np.ndarray, Any]]:
-    """(GGUF name, encoded array, storage type) in mapping-table order, one at a time."""
+def _tensor_plan(model: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, shape) of every tensor in file order: the HF mapping table's, with each
+    run of per-expert tensors stacked into one [E, ...] tensor."""
     c: DecoderConfig = model.config
+    shapes = _per_layer_shapes(model)
+    plan: list[tuple[str, tuple[int, ...]]] = []
+    for hf_name, ours, layout in expand_rules(tensor_rules(c), c.num_layers):
+        name, shape = gguf_tensor_name(hf_name), layout.hf_shape(shapes[ours])
+        if layout.expert is None:
+            plan.append((name, shape))
+        elif layout.expert == 0:
+            plan.append((name, (c.num_experts, *shape)))
+    return plan
+
+
+def _gguf_tensors(model: Any, gguf_type: str) -> Iterator[tuple[str, np.ndarray, Any]]:
+    """(GGUF name, encoded array, storage type) in `_tensor_plan` order, one at a time (a
+    stacked expert tensor is assembled from its experts' HF tensors first)."""
+    c: DecoderConfig = model.config
+    permute = GGUF_FAMILIES[c.family] == "llama"  # llama.cpp's interleaved RoPE
+    experts: list[np.ndarray] = []
     for hf_name, array in _hf_tensors(model, "float32"):
-        if ".self_attn.q_proj." in hf_name:
+        if permute and ".self_attn.q_proj." in hf_name:
             array = permute_qk_rows(array, c.num_heads)
-        elif ".self_attn.k_proj." in hf_name:
+        elif permute and ".self_attn.k_proj." in hf_name:
             array = permute_qk_rows(array, c.num_kv_heads)
-        kind = _storage(hf_name, array.shape, gguf_type)
-        yield gguf_tensor_name(hf_name), _encode(array, kind), kind
+        name = gguf_tensor_name(hf_name)
+        if name.endswith("_exps.weight"):
+            experts.append(array)
+            if len(experts) < c.num_experts:
+                continue
+            array, experts = np.stack(experts), []
+        kind = _storage(name, array.shape, gguf_type)
+        yield name, _encode(array, kind), kind
 
 
 def write_gguf(model: Any, path: str | Path, *, tokenizer: Any, gguf_type: str = "f16",
@@ -260,13 +319,10 @@ def write_gguf(model: Any, path: str | Path, *, tokenizer: Any, gguf_type: str =
     writer = GGUFWriter(None, arch)
     _add_architecture(writer, c, name, gguf_type)
     _add_tokenizer(writer, fields)
-    shapes = _per_layer_shapes(model)
-    for hf_name, ours, layout in expand_rules(tensor_rules(c), c.num_layers):
-        shape = layout.hf_shape(shapes[ours])
-        kind = _storage(hf_name, shape, gguf_type)
+    for name, shape in _tensor_plan(model):
+        kind = _storage(name, shape, gguf_type)
         dummy = np.dtype(np.float16 if kind == GGMLQuantizationType.F16 else np.float32)
-        writer.add_tensor_info(gguf_tensor_name(hf_name), shape, dummy, _nbytes(shape, kind),
-                               raw_dtype=kind)
+        writer.add_tensor_info(name, shape, dummy, _nbytes(shape, kind), raw_dtype=kind)
     try:
         writer.write_header_to_file(path)
         writer.write_kv_data_to_file()
