@@ -160,12 +160,19 @@ def add_lora(model: Any, spec: LoraSpec, *, seed: int = 0) -> Any:
     c = model.config
     if c.lora is not None:
         raise ValueError("the model already has LoRA adapters")
+    moe = getattr(c, "num_experts", 0) > 0
+    if moe and spec.weights_of("mlp"):  # its MLP weights are [E, ...] expert stacks
+        raise ValueError(
+            "model.lora.targets: LoRA on a mixture-of-experts model's experts is not "
+            f"supported (targets {list(spec.targets)}); set model.lora.targets to attention "
+            "projections (q_proj, k_proj, v_proj, o_proj)")
     rngs = nnx.Rngs(seed)
     blocks = [model.layers] if c.scan_layers else list(model.layers)
     with nnx.use_eager_sharding(False):
         for block in blocks:
             attach_adapters(block.attn, "attn", spec, rngs, stacked=c.scan_layers)
-            attach_adapters(block.mlp, "mlp", spec, rngs, stacked=c.scan_layers)
+            if not moe:
+                attach_adapters(block.mlp, "mlp", spec, rngs, stacked=c.scan_layers)
     model.config = c.replace(lora=spec)
     return model
 

@@ -248,3 +248,21 @@ def test_dense_layers_between_moe_layers_are_refused(field, value):
               moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, **{field: value})
     with pytest.raises(UnsupportedConfigError, match=f"field {field}="):
         DecoderConfig.from_hf(hf)
+
+
+def test_lora_on_a_moe_takes_attention_targets_and_refuses_the_experts(tmp_path):
+    from jaxrl_llm.models.lora import LoraSpec, add_lora
+
+    with pytest.raises(ValueError, match="model.lora.targets: LoRA on a mixture-of-experts "
+                       "model's experts is not supported"):
+        add_lora(Decoder(_config(), rngs=nnx.Rngs(0)), LoraSpec(4, 8.0))
+    model = add_lora(Decoder(_config(), rngs=nnx.Rngs(0)), LoraSpec(4, 8.0, ("q_proj", "o_proj")))
+    for layer in model.layers:  # a trained-looking adapter (B = 0 at init changes nothing)
+        layer.attn.q_lora.lora_b[...] = jnp.full(layer.attn.q_lora.lora_b.shape, 0.05)
+    tokens = jnp.asarray(np.random.default_rng(11).integers(0, 64, (1, 6)), jnp.int32)
+    adapted = np.asarray(model.logits(model(tokens)))
+    save_pretrained(model, tmp_path)  # W + (α/r)·A·B merged into the HF weights
+    merged = load_pretrained(tmp_path)
+    np.testing.assert_allclose(np.asarray(merged.logits(merged(tokens))), adapted, atol=2e-5)
+    plain = Decoder(_config(), rngs=nnx.Rngs(0))
+    assert np.abs(np.asarray(plain.logits(plain(tokens))) - adapted).max() > 1e-3
