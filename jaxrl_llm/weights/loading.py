@@ -257,9 +257,14 @@ def load_model(model_config: Any, *, seed: int = 0, mesh: Mesh | None = None,
     architecture (for `nnx.eval_shape` / `plan`; reads no weights).
     """
     m = model_config
-    if mesh is not None:  # before any weight is read: experts that do not split over the mesh
+    if mesh is not None and expert_shards(mesh) > 1:  # before any weight is read
+        found = architecture_of(m)  # the weights' config file, when reachable here
         check_expert_axis(decoder_config(m).num_experts, expert_shards(mesh),
-                          where=f"model ({m.source}{'' if m.path is None else ' ' + str(m.path)})")
+                          where=found[1] if found else f"the model: section (source {m.source})")
+    if getattr(m, "routing_replay", "off") != "off" and not decoder_config(m).is_moe:
+        raise ConfigError(f"model.routing_replay={m.routing_replay} replays a mixture of "
+                          f"experts' routing, but model {m.path or m.source} is dense (no "
+                          "experts): set model.routing_replay=off")
     if m.source == "random" or not weights:
         return LoadedModel(random_model(decoder_config(m), seed=seed, mesh=mesh, rules=rules),
                            None)

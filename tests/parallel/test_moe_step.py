@@ -134,8 +134,8 @@ def test_expert_axis_that_does_not_divide_the_experts_is_refused():
                   "num_heads": 2, "num_kv_heads": 1},
         "mesh": {"data": 2, "expert": 4, "tensor": 1}})
     mesh = make_mesh(config.mesh)
-    with pytest.raises(ConfigError, match=r"mesh.expert=4 does not divide the experts: model "
-                       r"\(random\) has num_experts=6"):
+    with pytest.raises(ConfigError, match=r"mesh.expert=4 does not divide the experts: the "
+                       r"model: section \(source random\) has num_experts=6"):
         load_model(config.model, mesh=mesh)
 
 
