@@ -203,12 +203,12 @@ def test_kv_cache_decoding_equals_the_full_forward():
     full forward's at that position (a MoE layer is per token)."""
     model = Decoder(_config(family="mixtral", num_experts=4, qk_norm=False), rngs=nnx.Rngs(1))
     tokens = jnp.asarray(np.random.default_rng(10).integers(0, 64, (2, 7)), jnp.int32)
-    full, aux = model(tokens, return_moe=True)
-    cache = model.init_cache(2, 8)
-    hidden, cache, first = model(tokens[:, :4], cache=cache, return_moe=True)
+    full, aux = nnx.jit(lambda m, t: m(t, return_moe=True))(model, tokens)
+    run = nnx.jit(lambda m, t, cache: m(t, cache=cache, return_moe=True))
+    hidden, cache, first = run(model, tokens[:, :4], model.init_cache(2, 8))
     steps, routes = [hidden], [first.routing]
-    for t in range(4, 7):
-        hidden, cache, step = model(tokens[:, t:t + 1], cache=cache, return_moe=True)
+    for t in range(4, 7):  # one compile for the three one-token steps
+        hidden, cache, step = run(model, tokens[:, t:t + 1], cache)
         steps.append(hidden)
         routes.append(step.routing)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full),
