@@ -266,3 +266,23 @@ def test_lora_on_a_moe_takes_attention_targets_and_refuses_the_experts(tmp_path)
     np.testing.assert_allclose(np.asarray(merged.logits(merged(tokens))), adapted, atol=2e-5)
     plain = Decoder(_config(), rngs=nnx.Rngs(0))
     assert np.abs(np.asarray(plain.logits(plain(tokens))) - adapted).max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_random_architecture_builds_each_moe_family(family):
+    from jaxrl_llm.config import ModelConfig
+    from jaxrl_llm.weights.loading import decoder_config
+
+    section = ModelConfig(family=family, vocab_size=128, hidden_size=32, intermediate_size=64,
+                          num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0,
+                          router_z_loss_coef=0.01)
+    config = decoder_config(section)  # source random: the section's own architecture
+    assert (config.family, config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size) == (family, 4, 2, 16)
+    assert config.qk_norm == (family == "qwen3_moe") and config.qkv_bias == (family == "qwen2_moe")
+    assert (config.router_aux_loss_coef, config.router_z_loss_coef) == (0.001, 0.01)
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    assert abstract.layers[0].mlp.gate.shape == (4, 32, 16)
+    assert hasattr(abstract.layers[0].mlp, "shared_gate") == (family == "qwen2_moe")
