@@ -115,3 +115,44 @@ def test_weight_sync_smoke_checks_every_path_and_labels_the_8b_extrapolation(tmp
     rate = row["bytes"] / row["orbax"]["sync_median_s"]
     assert big["orbax"]["sync_median_s"] == pytest.approx(big["bytes"] / rate)
     assert "(extrapolated)" in (tmp_path / "ws.md").read_text()
+
+
+@pytest.mark.slow  # a child process compiling the continuous sampler's programs for 6 arms
+def test_multi_turn_sampling_smoke_equal_tokens_and_fed_observations(tmp_path: Path) -> None:
+    """The multi-turn benchmark in its tiny form: single-turn samples hold exactly the budget;
+    every episode's tokens are its model turns plus one observation per turn but the last
+    (so model tokens = tokens − obs × (turns − 1) per episode); episodes do not depend on the
+    environment's latency; ratios are the rows' own tokens/s over single-turn's."""
+    _run(tmp_path, str(ROOT / "benchmarks" / "multi_turn_sampling.py"), "--smoke",
+         "--out", "mt.json")
+    result = json.loads((tmp_path / "mt.json").read_text())
+    meta, rows = result["meta"], {r["arm"]: r for r in result["rows"]}
+    sequences = meta["prompts"] * meta["n"]
+    assert set(rows) == {"single", "multi_m8_lat0ms", "multi_m8_lat10ms", "single_handoff",
+                         "multi_m8_lat0ms_handoff", "multi_m8_lat10ms_handoff"}
+    for name in ("single", "single_handoff"):
+        assert rows[name]["tokens"] == rows[name]["model_tokens"] == sequences * meta["new"]
+        assert rows[name]["turns_per_episode"] == 1.0 and rows[name]["over_single"] == 1.0
+    multi = [r for r in rows.values() if r["mean_turn_tokens"] is not None]
+    first = multi[0]
+    for r in multi:  # the same episodes whatever the latency (the hand-off's other cache
+        # windows may round a draw differently: up to float rounding, sampling/continuous.py)
+        same = next(f for f in multi if f["handoff"] == r["handoff"])
+        assert (r["tokens"], r["model_tokens"], r["turns_per_episode"]) == (
+            same["tokens"], same["model_tokens"], same["turns_per_episode"])
+        single = rows["single_handoff" if r["handoff"] else "single"]
+        assert r["per_step_over_single"] == pytest.approx(
+            r["tokens"] / r["decode_steps"] / (single["tokens"] / single["decode_steps"]))
+        assert r["over_single"] == pytest.approx(r["tokens_per_s"] / single["tokens_per_s"])
+        assert 0.0 <= r["idle_slot_share"] <= r["steps_with_idle_share"] <= 1.0
+    assert first["turns_per_episode"] > 2  # m = 8 in 48 positions: several turns each
+    observations = round(sequences * (first["turns_per_episode"] - 1))
+    assert first["tokens"] - first["model_tokens"] == meta["obs"] * observations
+    assert first["tokens"] <= sequences * meta["new"]
+    table = (tmp_path / "mt.md").read_text()
+    assert all(f"| {name} |" in table for name in rows), table
+    # --reuse redoes the rows and the table from the raw runs alone
+    _run(tmp_path, str(ROOT / "benchmarks" / "multi_turn_sampling.py"), "--reuse", "mt.json",
+         "--out", "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["rows"] == result["rows"]
+    assert (tmp_path / "again.md").read_text() == table
