@@ -82,6 +82,8 @@ class Samples:
     versions: list[np.ndarray] | None = None
     # per completion: 1 = sampled by the model, 0 = an environment's token (episodes only)
     action_mask: list[np.ndarray] | None = None
+    # per completion: [C-1, L, k] experts (model.routing_replay: sampler; data/routing.py)
+    routing: list[np.ndarray] | None = None
 
 
 def _as_config(config: ExperimentConfig | Mapping[str, Any] | str | None,
@@ -204,7 +206,8 @@ class Policy:
         `weights`/`version`: in-flight weight updates (`ContinuousSampler.generate`); the
         samples then carry each token's version. `on_segment`: called after each decode
         segment (`Sampler.generate`); an exception it raises abandons the call. `turns`:
-        multi-turn episodes (`sampling.turns.TurnHook`; `rollout(env=...)` makes one)."""
+        multi-turn episodes (`sampling.turns.TurnHook`; `rollout(env=...)` makes one).
+        With `model.routing_replay: sampler` the samples carry each token's experts."""
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
             prompts[0], str) else self.encode(prompts)  # type: ignore[arg-type]
@@ -229,6 +232,8 @@ class Policy:
         hook = dict(weights=weights, version=version) if weights is not None else {}
         if turns is not None:
             hook["turns"] = turns
+        if self.config.model.routing_replay == "sampler":
+            hook["return_routing"] = True
         out = sampler.generate(ids, params, jax.random.key(seed), on_segment=on_segment,
                                **hook)
         lengths = [int(x) for x in out.lengths]
@@ -243,7 +248,9 @@ class Policy:
             versions=None if out.versions is None else [out.versions[i, :m]
                                                         for i, m in enumerate(lengths)],
             action_mask=None if out.action_mask is None else [out.action_mask[i, :m]
-                                                              for i, m in enumerate(lengths)])
+                                                              for i, m in enumerate(lengths)],
+            routing=None if out.routing is None else [out.routing[i, :max(m - 1, 0)].copy()
+                                                      for i, m in enumerate(lengths)])
 
     def rollout(self, problems: Sequence[Any], *, n: int | None = None, seed: int = 0,
                 group_offset: int = 0,
@@ -267,6 +274,8 @@ class Policy:
                                                       turns=turns))
             for record, versions in zip(records, s.versions or (), strict=s.versions is not None):
                 record.metadata["weight_versions"] = version_runs(versions)
+            for record, routing in zip(records, s.routing or (), strict=s.routing is not None):
+                record.routing = routing
             return records
         texts = [self.task.prompt(p) for p in problems]
         ids = self.encode(texts)
@@ -274,7 +283,8 @@ class Policy:
                         on_segment=on_segment)
         completions = [Completion(prompt_index=int(s.prompt_index[i]), token_ids=s.token_ids[i],
                                   logprobs=s.logprobs[i], raw_logprobs=s.raw_logprobs[i],
-                                  finish_reason=s.finish_reason[i])
+                                  finish_reason=s.finish_reason[i],
+                                  routing=None if s.routing is None else s.routing[i])
                        for i in range(len(s.token_ids))]
         records = build_records(self.task, list(problems), ids, completions, self.tokenizer,
                                 group_offset=group_offset, prompts=texts)
@@ -292,7 +302,8 @@ class Policy:
             raise ConfigError(f"{len(records)} records do not fit one batch of "
                               f"train.batch_size={t.batch_size}")
         need_mu = self.config.loss.spec.needs_mu if require_mu is None else require_mu
-        rows = [record_row(r, require_mu=need_mu, where=f"records[{i}]")
+        replay = self.config.model.routing_replay == "sampler"  # the records' experts
+        rows = [record_row(r, require_mu=need_mu, where=f"records[{i}]", routing=replay)
                 for i, r in enumerate(records)]
         longest = max((r["inputs"].size for r in rows), default=0)
         if longest > t.max_seq_len:
@@ -310,7 +321,8 @@ class Policy:
             def score(params: Any, model_state: Any, batch: Any) -> jax.Array:
                 hidden, unembed, softcap = forward(
                     st.graphdef, cast_to_dtypes(params, st.param_dtypes), model_state,
-                    batch.inputs, batch.positions, batch.segment_ids, mesh)
+                    batch.inputs, batch.positions, batch.segment_ids, mesh,
+                    routing=batch.routing)
                 return token_logprobs(hidden, unembed.astype(hidden.dtype), batch.targets,
                                       chunk_size=chunk, temperature=temperature,
                                       softcap=softcap)

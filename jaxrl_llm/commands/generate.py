@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=config.model.path or config.model.source, overwrite=args.overwrite,
         chat_template=d.chat_template, sampler=config.generate.sampler_options(),
         runner=runner_for(config, task, tokenizer),
+        return_routing=config.model.routing_replay == "sampler",
     )
     print(f"wrote {manifest.num_records} records ({manifest.num_correct} correct, "
           f"{manifest.num_invalid} invalid) to {out}")

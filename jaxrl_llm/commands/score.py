@@ -30,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
     from jaxrl_llm.data.stages import scored_directory, stage_input
     from jaxrl_llm.parallel.mesh import make_mesh
     from jaxrl_llm.policy.opener import open_model
-    from jaxrl_llm.train.preflight import check_all_records, check_records_fit_model
+    from jaxrl_llm.train.preflight import (
+        check_all_records,
+        check_records_fit_model,
+        check_routing,
+    )
     from jaxrl_llm.train.score import score_records
     from jaxrl_llm.weights.loading import check_weights_found, decoder_config
 
@@ -44,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     # Every record, before any is scored: an id past the model's vocabulary embeds as NaN,
     # a row past the model's context is scored at positions it was never trained on.
     check_records_fit_model(config, records)
+    check_routing(config, records)  # model.routing_replay: the records must carry it
     check_all_records(records, vocab_size)
     model = open_model(None, config, mesh=mesh, with_tokenizer=False).model  # already sharded
     metrics = score_records(model, records, out, temperature=args.temperature,
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
                             chunk_size=config.loss.logprob_chunk_size,
                             model_name=config.model.path or config.model.source,
                             mesh=mesh, max_mismatch=config.generate.max_mismatch,
-                            drop_mismatched=config.generate.drop_mismatched)
+                            drop_mismatched=config.generate.drop_mismatched,
+                            routing_replay=config.model.routing_replay == "sampler")
     print(json.dumps({"output": out, **metrics}, indent=2))
     _warn_about_sampling(out)
     return 0

@@ -85,6 +85,11 @@ class ExperimentConfig(Section):
                 f"model.attention={self.model.attention} cannot run context parallelism "
                 f"(mesh.context={c}): it takes no load-balanced causal mask; set "
                 "model.attention=auto (splash on TPU, jnp elsewhere), jnp, splash or ring")
+        if self.model.routing_replay != "off":
+            raise ValueError(
+                f"model.routing_replay={self.model.routing_replay} cannot run with mesh.context="
+                f"{c}: the replayed experts ride in the natural token order only; set "
+                "mesh.context=1 or model.routing_replay=off")
         if self.loss.name in ORDER_DEPENDENT_LOSSES:
             raise ValueError(
                 f"loss.name={self.loss.name} cannot train with mesh.context={c}: "

@@ -106,6 +106,12 @@ class ModelConfig(Section):
     # (gather the expert group's tokens, reduce-scatter the outputs) or all_to_all (static
     # worst-case buffers: k times the traffic, kept to measure against)
     moe_dispatch: Literal["all_gather", "all_to_all"] = "all_gather"
+    routing_replay: Literal["off", "sampler"] = Field(
+        "off", description="a mixture of experts' routing replay (R3, arXiv:2510.11370; "
+        "docs/moe.md): sampler = the JAX sampler records each completion token's experts in "
+        "its records (Record.routing) and the score pass and the train step route those "
+        "tokens to them, the gates recomputed from the current router over them (prompt "
+        "tokens: the trainer's own routing); off = every forward routes by its own router")
     # Attention kernel (models/attention.py): auto = splash on TPU, cuDNN on GPU, jnp on CPU;
     # ring: with mesh.context > 1, keys/values passed round the context axis instead of
     # all-gathered (models/ring.py; jnp math, one ring step's scores live at a time, in the
@@ -142,6 +148,10 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} (top-k) must be between "
                 f"1 and model.num_experts={self.num_experts} for model.family={self.family}")
+        if self.source == "random" and not moe and self.routing_replay != "off":
+            raise ValueError(f"model.routing_replay={self.routing_replay} replays a mixture of "
+                             f"experts' routing, but model.family={self.family} is dense: set "
+                             "model.routing_replay=off")
         if self.source == "random" and not moe and self.num_experts:
             raise ValueError(f"model.num_experts={self.num_experts} is set but model.family="
                              f"{self.family} is dense: use qwen3_moe, mixtral or qwen2_moe")

@@ -62,6 +62,9 @@ class Batch:
     group_ids: jax.Array  # [B·k] int32, records of one prompt share it
     record_mask: jax.Array  # [B·k] float32, 0 for padding rows / empty record slots
     pair_index: jax.Array  # [P, 2] int32 (chosen row, rejected row); P may be 0
+    # [B, T, L, k] int16: the experts each input token is routed to (a mixture of experts'
+    # routing replay, data/routing.py; -1: the model's own routing); None: no replay
+    routing: jax.Array | None = None
     # static: 1 = natural token order, c > 1 = load-balanced for c context shards (docstring)
     context_order: int = struct.field(pytree_node=False, default=1)
 
@@ -96,13 +99,19 @@ class Batch:
         chex.assert_shape([self.rewards, self.correct, self.group_ids, self.record_mask], (n,))
         chex.assert_rank(self.pair_index, 2)
         chex.assert_type([self.inputs, self.targets, self.positions, self.segment_ids], jnp.int32)
+        if self.routing is not None:
+            chex.assert_rank(self.routing, 4)
+            chex.assert_shape(self.routing, (b, t, None, None))
 
 
 def array_fields(batch: Any) -> tuple[str, ...]:
     """The array fields of a `Batch` (or any flax struct, instance or class), in order: every
-    field but the static ones (`context_order`)."""
+    field but the static ones (`context_order`) and, on an instance, those it leaves None (a
+    batch without `routing`)."""
+    is_class = isinstance(batch, type)
     return tuple(f.name for f in dataclasses.fields(batch)
-                 if f.metadata.get("pytree_node", True))
+                 if f.metadata.get("pytree_node", True)
+                 and (is_class or getattr(batch, f.name) is not None))
 
 
 def records_view(x: jax.Array, segment_ids: jax.Array, records_per_row: int) -> jax.Array:

@@ -6,6 +6,9 @@ at position P−1+j, where the per-token log-prob arrays are placed and `loss_ma
 token j is the model's (`Record.action_mask`; every completion token without one). An
 environment token of a multi-turn episode is an input (context for what follows) and a target
 with `loss_mask` 0 and log-probs 0: no loss reads it as an action.
+With routing replay (`record_row(routing=True)`) a row also carries the experts its completion
+tokens were sampled with, [L−1, layers, k] (-1 on the prompt: data/routing.py), and the batch
+a `routing` array.
 `data/loader.py` (the grain pipeline) and the score pass both build their batches here.
 """
 
@@ -18,6 +21,7 @@ import numpy as np
 
 from jaxrl_llm.data.batch import Batch, empty_pairs
 from jaxrl_llm.data.records import Record, RecordError
+from jaxrl_llm.data.routing import routing_problem, routing_row
 
 # Row arrays copied from `record_row` into a batch row (positions/segment ids are derived).
 _TOKEN_KEYS = ("inputs", "targets", "loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")
@@ -25,11 +29,13 @@ __all__ = ["collate", "collate_packed", "record_row"]
 
 
 def record_row(record: Record, *, require_mu: bool = False, require_ref: bool = False,
-               where: str = "record") -> dict[str, Any]:
+               where: str = "record", routing: bool = False) -> dict[str, Any]:
     """One record as unpadded row arrays of length L−1 (the row alignment above).
 
     A missing per-token array is placed as zeros; `require_mu` / `require_ref` make a missing
     `mu_logprobs` / `ref_logprobs` an error instead (a loss reading them must never see 0).
+    `routing` (`model.routing_replay: sampler`): the row carries the record's experts; a
+    record without them is an error.
     Environment tokens (`action_mask` 0) get `loss_mask` 0 and 0.0 in every log-prob array,
     whatever a record not yet validated holds there.
     """
@@ -51,13 +57,23 @@ def record_row(record: Record, *, require_mu: bool = False, require_ref: bool = 
     if require_ref and record.ref_logprobs is None and c:
         raise RecordError(f"{where}: no ref_logprobs; run `jaxrl-llm score` (it writes them) or set "
                           "train.ref_logprobs=model")
-    return {
+    row = {
         "inputs": tokens[:-1], "targets": tokens[1:], "loss_mask": loss_mask,
         "behavior_logprobs": place(record.behavior_logprobs), "mu_logprobs": place(record.mu_logprobs),
         "ref_logprobs": place(record.ref_logprobs),
         "reward": np.float32(record.reward), "correct": record.correct, "group_id": record.group_id,
         "record_mask": np.float32(1.0),
     }
+    if routing:
+        if record.routing is None:
+            raise RecordError(f"{where}: no routing (the experts its tokens were sampled with), "
+                              "but model.routing_replay=sampler replays them: sample with "
+                              "model.routing_replay=sampler (the JAX sampler records them; "
+                              "vLLM records have none) or set model.routing_replay=off")
+        if (problem := routing_problem(record.routing, c)):
+            raise RecordError(f"{where}: {problem}")
+        row["routing"] = routing_row(record.routing, p, n)
+    return row
 
 
 def _padding_row() -> dict[str, Any]:
@@ -79,7 +95,7 @@ def collate(rows: Sequence[dict[str, Any]], batch_size: int, lengths: Sequence[i
     t = next((n for n in lengths if n >= longest), None)
     if t is None:
         raise RecordError(f"a row of length {longest} exceeds the longest bucket {lengths[-1]}")
-    out, per_record = _blank_arrays(batch_size, t, batch_size)
+    out, per_record = _blank_arrays(batch_size, t, batch_size, rows)
     for i, row in enumerate(rows):
         _place(out, per_record, row, i, slice(0, row["inputs"].size), segment=1, slot=i)
     pair_index = empty_pairs()
@@ -106,7 +122,7 @@ def collate_packed(rows: Sequence[Sequence[dict[str, Any]]], batch_size: int, ma
     b, k = batch_size, records_per_row
     if len(rows) > b:
         raise RecordError(f"collate_packed: {len(rows)} rows for a batch of {b}")
-    out, per_record = _blank_arrays(b, max_len, b * k)
+    out, per_record = _blank_arrays(b, max_len, b * k, [r for row in rows for r in row])
     for i, records in enumerate(rows):
         if len(records) > k:
             raise RecordError(f"collate_packed: row {i} has {len(records)} records > records_per_row={k}")
@@ -120,11 +136,20 @@ def collate_packed(rows: Sequence[Sequence[dict[str, Any]]], batch_size: int, ma
     return Batch(**out, **per_record, pair_index=empty_pairs())
 
 
-def _blank_arrays(rows: int, length: int, records: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """All-padding token arrays [rows, length] and per-record arrays [records]."""
+def _blank_arrays(rows: int, length: int, records: int, given: Sequence[dict[str, Any]] = ()
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """All-padding token arrays [rows, length] and per-record arrays [records]; a routing
+    array [rows, length, L, k] of -1 when the `given` rows carry routing (all of them must)."""
     out = {k: np.zeros((rows, length), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
     out.update({k: np.zeros((rows, length), np.float32)
                 for k in ("loss_mask", "behavior_logprobs", "mu_logprobs", "ref_logprobs")})
+    real = [r for r in given if r["record_mask"] > 0]
+    carried = [r["routing"] for r in real if "routing" in r]
+    if carried:
+        if len(carried) != len(real):
+            raise RecordError("a batch mixes rows with routing and rows without "
+                              "(record_row(routing=...) must be the same for every row)")
+        out["routing"] = np.full((rows, length, *carried[0].shape[1:]), -1, np.int16)
     per_record = {"rewards": np.zeros(records, np.float32), "correct": np.zeros(records, bool),
                   "group_ids": np.full(records, -1, np.int32), "record_mask": np.zeros(records, np.float32)}
     return out, per_record
@@ -135,7 +160,7 @@ def _place(out: dict[str, np.ndarray], per_record: dict[str, np.ndarray], row: d
     """Write one `record_row` into batch row i at `span` (segment id `segment`) and record `slot`."""
     n = span.stop - span.start
     if n:
-        for key in _TOKEN_KEYS:
+        for key in _TOKEN_KEYS + (("routing",) if "routing" in out else ()):
             out[key][i, span] = row[key]
         out["positions"][i, span] = np.arange(n)
         out["segment_ids"][i, span] = segment

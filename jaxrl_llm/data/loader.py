@@ -77,6 +77,7 @@ class LoaderOptions:
     too_long: Literal["error", "drop"] = "error"
     require_mu: bool = False  # error when a record has no mu_logprobs (not yet scored)
     require_ref: bool = False  # error when a record has no ref_logprobs (never zero-filled)
+    routing: bool = False  # batches carry the records' experts (model.routing_replay: sampler)
     process_index: int = 0
     process_count: int = 1
     read_threads: int = 2
@@ -218,7 +219,8 @@ class BatchLoader:
 
     def _record_row(self, index: int) -> dict[str, Any]:
         return record_row(self.source[index], require_mu=self.options.require_mu,
-                          require_ref=self.options.require_ref, where=self.source.where(index))
+                          require_ref=self.options.require_ref, where=self.source.where(index),
+                          routing=self.options.routing)
 
     def _load(self, slot: int) -> list[dict[str, Any]]:
         k = self._units.shape[1]
@@ -365,6 +367,7 @@ def loader_from_config(config: Any, directory: str | None = None, *, process_ind
             seed=d.shuffle_seed, num_epochs=num_epochs if num_epochs is not None else d.num_epochs,
             too_long=d.too_long, require_mu=config.loss.mu_source == "trainer" and spec.needs_mu,
             require_ref=spec.needs_ref and t.ref_logprobs == "batch",
+            routing=config.model.routing_replay == "sampler",
             process_index=pidx, process_count=pcount, read_threads=d.read_threads,
             prefetch=d.prefetch, pairs=spec.needs_pairs, groups=spec.needs_groups,
             **packing_options(config),

@@ -13,6 +13,9 @@ environment's (tool results, feedback, the chat template's turn tokens): `action
 each completion token 1 = model token (an action), 0 = environment token, which every
 log-prob reads as context and no loss reads as an action; the per-token log-prob fields hold
 0.0 there. `metadata["episode"]` keeps the turns (docs/architecture.md § Contracts).
+
+A mixture of experts' sampler may record `routing`, the experts each completion token went to
+(data/routing.py), which the trainer replays with `model.routing_replay: sampler` (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -25,11 +28,19 @@ from typing import Any
 import msgpack
 import numpy as np
 
-# Version 2 added `ref_logprobs`, version 3 `action_mask`; older records (no such fields)
-# still load, with None there.
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-_SINCE = {"ref_logprobs": 2, "action_mask": 3}  # the schema version that added a field
+from jaxrl_llm.data.routing import (
+    as_routing,
+    routing_from_payload,
+    routing_payload,
+    routing_problem,
+)
+
+# Version 2 added `ref_logprobs`, version 3 `action_mask`, version 4 `routing`; older records
+# (no such fields) still load, with None there.
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+# the schema version that added a field
+_SINCE = {"ref_logprobs": 2, "action_mask": 3, "routing": 4}
 _INT_FIELDS = ("prompt_ids", "completion_ids")
 _FLOAT_FIELDS = ("behavior_logprobs", "raw_logprobs", "mu_logprobs", "ref_logprobs")
 _MASK_FIELD = "action_mask"
@@ -65,6 +76,9 @@ class Record:
     ref_logprobs: np.ndarray | None = None  # [C] float32, initial policy = π_ref at T = 1
     # [C] uint8, 1 = model token (an action), 0 = environment/tool/template token
     action_mask: np.ndarray | None = None
+    # [C-1, L, k] int8/int16: each completion token's experts per layer, as the sampler routed
+    # it (a mixture of experts; data/routing.py); None: not recorded
+    routing: np.ndarray | None = None
     answer: str | None = None  # extracted answer (None = none found)
     raw_reward: float | None = None  # reward before a group transform (RLOO, GRPO, PKPO)
     prompt_text: str = ""
@@ -80,6 +94,8 @@ class Record:
                 setattr(self, name, np.asarray(value, dtype=np.float32))
         if self.action_mask is not None:
             self.action_mask = _as_mask(self.action_mask)
+        if self.routing is not None:
+            self.routing = as_routing(self.routing)
         self.reward = float(self.reward)
         self.correct = bool(self.correct)
         self.invalid = bool(self.invalid)
@@ -121,6 +137,11 @@ class Record:
                 value = np.ascontiguousarray(value, dtype=_FLOAT_DTYPE).tobytes()
             elif f.name == _MASK_FIELD and value is not None:
                 value = _mask_bytes(value)
+            elif f.name == "routing" and value is not None:
+                try:
+                    value = routing_payload(value)
+                except ValueError as err:
+                    raise RecordError(str(err)) from err
             payload[f.name] = value
         return msgpack.packb(payload, use_bin_type=True)
 
@@ -155,6 +176,11 @@ class Record:
             if len(value) % dtype.itemsize:
                 raise RecordError(f"{where}: field {name!r} has {len(value)} bytes, not a multiple of {dtype.itemsize}")
             payload[name] = np.frombuffer(value, dtype=dtype).astype(dtype.newbyteorder("="))
+        if payload.get("routing") is not None:
+            routing = routing_from_payload(payload["routing"])
+            if isinstance(routing, str):
+                raise RecordError(f"{where}: {routing}")
+            payload["routing"] = routing
         try:
             return cls(**payload)
         except TypeError as err:
@@ -254,7 +280,8 @@ def validate_record(record: Record, *, where: str, vocab_size: int | None = None
     Lengths agree, log-probs are finite and ≤ 0, token ids lie in [0, vocab), the reward is
     finite, and a record is never both correct and invalid. An `action_mask` holds 0/1 for
     every completion token, starts with a model token, marks at least one, and the log-prob
-    fields are 0.0 at its environment tokens.
+    fields are 0.0 at its environment tokens. A `routing` is [C − 1, layers, k] non-negative ids,
+    distinct per token and layer (data/routing.py).
     """
     if record.prompt_ids.ndim != 1 or record.completion_ids.ndim != 1:
         raise RecordError(f"{where}: prompt_ids/completion_ids must be 1-D")
@@ -287,6 +314,8 @@ def validate_record(record: Record, *, where: str, vocab_size: int | None = None
             raise RecordError(f"{where}: field {name!r} has a positive log-prob {float(lp.max())}")
     if record.action_mask is not None:
         _check_action_mask(record, where)
+    if record.routing is not None and (problem := routing_problem(record.routing, n)):
+        raise RecordError(f"{where}: {problem}")
     if not math.isfinite(record.reward):
         raise RecordError(f"{where}: field 'reward' is not finite ({record.reward})")
     if record.raw_reward is not None and not math.isfinite(record.raw_reward):

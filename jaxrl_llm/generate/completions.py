@@ -31,6 +31,7 @@ class Completion:
     logprobs: np.ndarray | None  # [C] sampler log-probs after temperature/top-k/top-p
     raw_logprobs: np.ndarray | None = None  # [C] before truncation (or as the backend defines)
     finish_reason: str = ""
+    routing: np.ndarray | None = None  # [C-1, L, k] experts per fed token (data/routing.py)
 
 
 TEMPLATE_NOTICE = ("data.chat_template is unset: the tokenizer has a chat template, so prompts "
@@ -112,7 +113,7 @@ def build_records(
             completion_ids=c.token_ids,
             reward=result.reward, correct=result.correct, invalid=result.invalid,
             group_id=group_offset + c.prompt_index, task=task.name,
-            behavior_logprobs=c.logprobs, raw_logprobs=c.raw_logprobs,
+            behavior_logprobs=c.logprobs, raw_logprobs=c.raw_logprobs, routing=c.routing,
             answer=result.answer,
             prompt_text=prompts[c.prompt_index] if prompts is not None else "",
             completion_text=text,

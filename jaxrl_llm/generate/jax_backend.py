@@ -19,6 +19,7 @@ import numpy as np
 from jaxrl_llm.core.errors import ConfigError
 from jaxrl_llm.core.progress import progress_bar, set_status
 from jaxrl_llm.core.signals import stop_point
+from jaxrl_llm.data.routing import routing_info
 from jaxrl_llm.data.shards import Manifest, SamplingInfo, ShardWriter
 from jaxrl_llm.envs.episodes import EpisodeRunner
 from jaxrl_llm.envs.sampled import RowTurns, begin_episodes, episode_records
@@ -74,17 +75,21 @@ def progress_batches(sampler: Any, prompts_per_call: Sequence[int]) -> int:
 
 def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params: Any,
                        key: jax.Array, progress: SamplingProgress | None = None,
-                       first_id: int = 0, turns: Any = None) -> list[Completion]:
+                       first_id: int = 0, turns: Any = None,
+                       return_routing: bool = False) -> list[Completion]:
     """Run the sampler; one `Completion` per (prompt, sample), with `progress`'s callbacks.
     `first_id`: the data-set index of prompt_ids[0] (its samples' noise is keyed by it).
-    `turns`: multi-turn episodes (`envs.sampled.RowTurns`; the continuous sampler only)."""
+    `turns`: multi-turn episodes (`envs.sampled.RowTurns`; the continuous sampler only).
+    `return_routing`: each completion carries its tokens' experts (a mixture of experts)."""
     if turns is not None and not hasattr(sampler, "slots"):
         raise ConfigError("environments (env.name) need generate.batching: continuous")
+    extra = {"turns": turns} if turns is not None else {}
+    if return_routing:
+        extra["return_routing"] = True
     out = sampler.generate(prompt_ids, params, key,
                            on_batch=progress and progress.on_batch,
                            on_segment=progress and progress.on_segment,
-                           prompt_ids=range(first_id, first_id + len(prompt_ids)),
-                           **({"turns": turns} if turns is not None else {}))
+                           prompt_ids=range(first_id, first_id + len(prompt_ids)), **extra)
     completions = []
     for row in range(out.tokens.shape[0]):
         n = int(out.lengths[row])
@@ -94,6 +99,7 @@ def sample_completions(sampler: Any, prompt_ids: Sequence[Sequence[int]], params
             logprobs=np.asarray(out.logprobs[row, :n], np.float32),
             raw_logprobs=np.asarray(out.raw_logprobs[row, :n], np.float32),
             finish_reason=str(out.finish_reason[row]),
+            routing=None if out.routing is None else out.routing[row, :max(n - 1, 0)].copy(),
         ))
     return completions
 
@@ -121,10 +127,13 @@ def generate_records(
     progress: bool = True,
     sampler: Mapping[str, Any] | None = None,
     runner: EpisodeRunner | None = None,
+    return_routing: bool = False,
 ) -> Manifest:
     """Sample `n` completions per problem and write scored records to `out_dir`. `sampler`:
     the sampler's batching keywords (`GenerateConfig.sampler_options`). `runner`: each
-    completion is a multi-turn episode of its environment (docs/environments.md)."""
+    completion is a multi-turn episode of its environment (docs/environments.md).
+    `return_routing` (a mixture of experts, `model.routing_replay: sampler`): each record
+    holds its tokens' experts (`Record.routing`; manifest `extra.routing`)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, n=n, stop_token_ids=(eos,) if stop_at_eos and eos is not None else ())
@@ -147,7 +156,9 @@ def generate_records(
         task=task.name, reward_fn=task.reward_fn,
         sampling=SamplingInfo(backend="jax", temperature=temperature, top_p=top_p, top_k=top_k,
                               max_new_tokens=max_new_tokens, n=n, seed=seed),
-        extra=sampler_logprob_info(backend="jax", temperature=temperature, top_k=top_k, top_p=top_p),
+        extra={**sampler_logprob_info(backend="jax", temperature=temperature, top_k=top_k,
+                                      top_p=top_p),
+               **({"routing": routing_info(model.config)} if return_routing else {})},
     ) as writer, stop_point("the current decode segment", grace_s=STOP_GRACE_S) as stop:
         bar = progress_bar(len(problems), desc=f"generate {task.name}", unit="prompt",
                            enabled=progress)
@@ -162,14 +173,16 @@ def generate_records(
                 if runner is not None:  # each sample an episode (envs/sampled.py)
                     episodes = begin_episodes(runner, problems[sub], n)[0]
                     done = sample_completions(sampler, prompt_ids[sub], params, key, status,
-                                              first_id=start, turns=RowTurns(runner, episodes))
-                    writer.write_all(episode_records(
-                        runner, episodes, n=n, group_offset=start,
-                        tokens=[c.token_ids for c in done]))
+                                              first_id=start, turns=RowTurns(runner, episodes),
+                                              return_routing=return_routing)
+                    records = episode_records(runner, episodes, n=n, group_offset=start,
+                                              tokens=[c.token_ids for c in done])
+                    writer.write_all([r.replace(routing=c.routing) if return_routing else r
+                                      for r, c in zip(records, done, strict=True)])
                     continue
                 # Noise keyed by (seed, data-set index, sample): the chunking changes nothing.
                 completions = sample_completions(sampler, prompt_ids[sub], params, key, status,
-                                                 first_id=start)
+                                                 first_id=start, return_routing=return_routing)
                 writer.write_all(build_records(task, problems[sub], prompt_ids[sub], completions,
                                                tokenizer, group_offset=start, prompts=prompts[sub]))
         finally:

@@ -144,7 +144,7 @@ class Decoder(nnx.Module):
         routing [L, B, T, k] (a mixture of experts): replay these experts in every layer,
         their gates recomputed from the current routers (`moe.moe_forward`), as returned in
         `MoeAux.routing` (in the rows' token order, the load-balanced one under context
-        parallelism).
+        parallelism); a token whose ids are negative takes its own top-k there.
 
         context_order: (no cache) c > 1 says the rows' tokens are in the load-balanced order
         of c context shards (`parallel.context.load_balance_order`): causality compares the

@@ -15,9 +15,10 @@ dense product, E times the work, fine for tests). The router runs in float32 wha
 compute dtype, so its top-k choices do not flip with bf16 rounding of the logits.
 
 Routing in and out: `moe_forward(..., routing=ids)` replays given experts (R3-style routing
-replay: the experts are the given ones, their gates are recomputed from the current router's
-probabilities over them, renormalised as the family does); every call returns the experts it
-used, so a sampler can record them and a trainer replay them (`Decoder(return_moe=True)`).
+replay, arXiv:2510.11370: the experts are the given ones, their gates are recomputed from the
+current router's probabilities over them, renormalised as the family does; ids < 0 on a token:
+its own top-k); every call returns the experts it used, so a sampler can record them and a
+trainer replay them (`Decoder(return_moe=True)`; docs/moe.md).
 
 Auxiliary losses (their per-layer sums come out of each layer, `MoeStats`; the decoder pools
 them over layers, `finish_aux`):
@@ -112,15 +113,17 @@ def route(router: Array, x: Array, config: DecoderConfig,
     """(ids [N, k] int32, gates [N, k] float32, logits [N, E] float32) for tokens x [N, d].
 
     routing: [N, k] expert ids to use instead of the top-k (replay); their gates are the
-    current router's probabilities of those experts, renormalised when the family does."""
+    current router's probabilities of those experts, renormalised when the family does. A
+    token whose row holds a negative id takes the router's own top-k (a token the replayed
+    record has no experts for: a prompt token, padding)."""
     c = config
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    if routing is None:
-        values, ids = jax.lax.top_k(probs, c.num_experts_per_tok)
-    else:
+    values, ids = jax.lax.top_k(probs, c.num_experts_per_tok)
+    if routing is not None:
         chex.assert_shape(routing, (x.shape[0], c.num_experts_per_tok))
-        ids = routing.astype(jnp.int32)
+        given = jnp.all(routing >= 0, axis=-1, keepdims=True)
+        ids = jnp.where(given, routing.astype(jnp.int32), ids)
         values = jnp.take_along_axis(probs, ids, axis=-1)
     if c.norm_topk_prob:
         values = values / jnp.sum(values, axis=-1, keepdims=True)

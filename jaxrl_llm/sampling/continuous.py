@@ -47,6 +47,7 @@ from jaxrl_llm.sampling.prompt_cache import (
     init_store,
     kv_bytes_per_sequence,
 )
+from jaxrl_llm.sampling.routing import check_routing_model, routing_buffer
 from jaxrl_llm.sampling.sampler import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -151,7 +152,8 @@ class ContinuousSampler(Sampler):
                  on_segment: Callable[[int, int], None] | None = None,
                  prompt_ids: Sequence[int] | None = None,
                  weights: Callable[[], tuple[int, Any] | None] | None = None,
-                 version: int = 0, turns: TurnHook | None = None) -> GenerationOutput:
+                 version: int = 0, turns: TurnHook | None = None,
+                 return_routing: bool = False) -> GenerationOutput:
         """`Sampler.generate`'s contract. `on_segment(0, 0)` runs before the first prefill
         and `on_segment(0, t)` after each decode segment (t ≥ 1: the longest sample's tokens
         among those that ran in it);
@@ -161,8 +163,12 @@ class ContinuousSampler(Sampler):
         weights); `version`: the version of the model's own weights. With a hook the output's
         `versions` holds each token's version. `turns`: multi-turn episodes (`turns.py`): a
         sample that ends a turn is parked until `turns` answers, then resumes with the
-        environment's tokens fed into its cache; the output's `action_mask` marks them 0."""
+        environment's tokens fed into its cache; the output's `action_mask` marks them 0.
+        `return_routing` (a mixture of experts): the output's `routing` holds each fed token's
+        experts (`sampling/routing.py`), an environment's tokens included."""
         del progress
+        if return_routing:
+            check_routing_model(self.model)
         prompts = self.checked_prompts(prompts, params)
         ids = self.checked_ids(prompt_ids, len(prompts))
         n, max_new, count = params.n, params.max_new_tokens, len(prompts)
@@ -184,13 +190,13 @@ class ContinuousSampler(Sampler):
                       top_p=np.float32(params.top_p),
                       stop_ids=np.asarray(tuple(params.stop_token_ids) + tuple(
                           turns.stop_ids if turns is not None else ()) or (-1,), np.int32))
-        static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
-                      return_logits=return_logits)
+        static = dict(program=Program.of(params, routing=return_routing),
+                      pad_token_id=self.pad_token_id, return_logits=return_logits)
         ends = window_ends(max_new, self.cache_windows)
         carry = lay.make(lambda key: init_slots(
             self.model, slots=self.slots, gen_len=ends[0], cache_dtype=cache_dtype,
             max_new=max_new, vocab=vocab, pad_token_id=self.pad_token_id, key=key,
-            return_logits=return_logits,
+            return_logits=return_logits, routing=return_routing,
             staging=init_staging(self.model, p_rows, width, cache_dtype)), key)
         store = lay.make(lambda: init_store(self.model, k_rows, width, cache_dtype))
         static["layout"] = lay
@@ -201,6 +207,8 @@ class ContinuousSampler(Sampler):
                     lengths=np.zeros(count * n, np.int32), stopped=np.zeros(count * n, bool))
         if return_logits:
             host["logits"] = np.zeros((count * n, max_new, vocab), np.float32)
+        if return_routing:
+            host["routing"] = np.array(routing_buffer(self.model.config, count * n, max_new))
         parked = ParkedSlots(self.slots, max_new) if turns is not None else None
         if parked is not None:
             host["action_mask"] = np.ones((count * n, max_new), np.uint8)
@@ -366,7 +374,7 @@ class ContinuousSampler(Sampler):
             finish_reason=np.where(host["stopped"], FINISH_STOP, FINISH_LENGTH),
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             logits=host.get("logits"), versions=host["versions"] if weights is not None else None,
-            action_mask=host.get("action_mask"))
+            action_mask=host.get("action_mask"), routing=host.get("routing"))
 
     def _layer_params(self, graphdef: Any, state: Any) -> Any:
         """The decode copy of the layer weights (`fused_layer_params`); unfused under tensor

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm.models.kv_cache import KVCache
+from jaxrl_llm.sampling.routing import routing_buffer, step_routing
 
 Array = jax.Array
 Carry = dict[str, Any]  # {"loop": per-row decode state, "out": the output buffers}
@@ -62,18 +63,21 @@ def process_logits(logits: Array, temperature: Array, top_p: Array, *, top_k: in
 @dataclasses.dataclass(frozen=True)
 class Program:
     """The parts of `SamplingParams` that change the compiled program (temperature, top_p
-    values and stop ids are traced, so changing them does not recompile)."""
+    values and stop ids are traced, so changing them does not recompile). `routing`: record
+    each generated token's experts (a mixture of experts, `sampling/routing.py`); off, the
+    programs are the ones without it."""
 
     max_new_tokens: int
     n: int
     greedy: bool
     top_k: int
     use_top_p: bool
+    routing: bool = False
 
     @classmethod
-    def of(cls, params: Any) -> Program:
+    def of(cls, params: Any, *, routing: bool = False) -> Program:
         return cls(params.max_new_tokens, params.n, params.greedy, params.top_k,
-                   params.top_p < 1.0)
+                   params.top_p < 1.0, routing)
 
 
 def first_argmax(x: Array) -> Array:
@@ -256,6 +260,8 @@ def prefill(graphdef, state, layer_params: Any, prompt_tokens: Array, prompt_mas
     if return_logits:
         out["logits"] = jnp.zeros((rows, max_new, logits.shape[-1]), jnp.float32)
         out["logits"] = out["logits"].at[:, 0].set(logits)
+    if program.routing:  # the prompt's own experts are the trainer's to recompute
+        out["routing"] = routing_buffer(model.config, rows, max_new)
     loop = dict(step=jnp.int32(1), cache=cache, last=token,
                 stopped=jnp.isin(token, stop_ids), lengths=jnp.ones((rows,), jnp.int32),
                 next_position=jnp.repeat(positions[:, -1] + 1, n, axis=0), row_keys=row_keys)
@@ -281,9 +287,10 @@ def decode_segment(graphdef, state, layer_params: Any, carry: Carry, until: Arra
         loop, out = state_
         step = loop["step"]
         pos = (loop["next_position"] + step - 1)[:, None]
-        hidden, cache = model(loop["last"][:, None], positions=pos,
-                              segment_ids=jnp.ones_like(pos), cache=loop["cache"],
-                              **layer_kwargs)
+        moe = dict(return_moe=True) if program.routing else {}
+        hidden, cache, *aux = model(loop["last"][:, None], positions=pos,
+                                    segment_ids=jnp.ones_like(pos), cache=loop["cache"],
+                                    **layer_kwargs, **moe)
         logits = _last_logits(model, hidden)
         token, lp, raw_lp = sample(loop["row_keys"], jnp.broadcast_to(step, loop["last"].shape),
                                    logits, temperature, top_p)
@@ -297,6 +304,11 @@ def decode_segment(graphdef, state, layer_params: Any, carry: Carry, until: Arra
                    raw_logprobs=write(out["raw_logprobs"], jnp.where(live, raw_lp, 0.0)))
         if return_logits:
             out["logits"] = write(out["logits"], logits)
+        if program.routing:  # the experts of the token fed in: completion token step − 1
+            ids = step_routing(aux[0].routing, out["routing"].dtype)
+            ids = jnp.where(live[:, None, None], ids, jnp.asarray(-1, ids.dtype))  # a stop's
+            out["routing"] = jax.lax.dynamic_update_slice(out["routing"], ids[:, None],
+                                                          (0, step - 1, 0, 0))
         loop = dict(loop, step=step + 1, cache=cache, last=token,
                     stopped=loop["stopped"] | (live & jnp.isin(token, stop_ids)),
                     lengths=loop["lengths"] + live.astype(jnp.int32))

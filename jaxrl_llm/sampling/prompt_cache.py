@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.decoder_block import block_forward
+from jaxrl_llm.models.decoder_block import layer_forward
 from jaxrl_llm.models.kv_cache import per_layer
 from jaxrl_llm.models.layers import (
     _group_queries,
@@ -181,11 +181,12 @@ def write_generated(buf: Array, value: Array, write: Array, *, row_axis: int,
 
 def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array, own: dict,
                  store: dict, rows: Array, samples: Array, t: Array, n: int,
-                 layout: DecodeLayout | None = None) -> tuple[Array, dict]:
+                 layout: DecodeLayout | None = None) -> tuple[Array, dict, Array | None]:
     """One decode step of R slots: token [R] at position [R] (its prompt's length + t − 1),
     written to generated slot t − 1 of `own` (k, v: `KVCache` layouts of R rows × G slots; an
     idle slot, rows ≥ K, writes nothing); attention over the store row `rows[r]`
-    (`shared_attention`). Returns hidden [R, d] after the final norm and the new `own`."""
+    (`shared_attention`). Returns hidden [R, d] after the final norm, the new `own` and, for
+    a mixture of experts, each slot's token's experts [L, R, 1, k] (else None)."""
     c = model.config
     dt = c.compute_jnp_dtype
     x = jnp.take(model.embed[...], tokens[:, None], axis=0).astype(dt)
@@ -235,28 +236,31 @@ def slot_forward(model: Any, layer_params: Any, tokens: Array, positions: Array,
                                     g_mask, rows, samples, n, scale=c.attn_scale,
                                     logit_softcap=c.attn_logit_softcap, layout=layout)
 
-        x, _ = block_forward(p, x, cos, sin, attend, None, None, c)
-        return x, new["k"], new["v"]
+        x, _, stats = layer_forward(p, x, cos, sin, attend, None, None, c)
+        return x, new["k"], new["v"], None if stats is None else stats.ids
 
     params = model.pure_layer_params() if layer_params is None else layer_params
     if not isinstance(own["k"], tuple):  # `stacked_decode`: under the layer scan
         def body(carry, xs):
             x, gk, gv = carry
             p, is_sliding, index = xs
-            return layer(p, x, is_sliding, index, gk, gv), None
+            x, gk, gv, ids = layer(p, x, is_sliding, index, gk, gv)
+            return (x, gk, gv), ids
 
         xs = (params, jnp.asarray(c.sliding_layers), jnp.arange(c.num_layers, dtype=jnp.int32))
-        (x, gk, gv), _ = jax.lax.scan(body, (x, own["k"], own["v"]), xs)
+        (x, gk, gv), routing = jax.lax.scan(body, (x, own["k"], own["v"]), xs)
         own = dict(own, k=gk, v=gv)
     else:
         if not isinstance(params, (list, tuple)):  # a scanned model's stack, decoded unrolled
             params = per_layer(params, c.num_layers)
-        ks, vs = [], []
+        ks, vs, ids = [], [], []
         for i, p in enumerate(params):
-            x, gk, gv = layer(p, x, c.sliding_layers[i], i, own["k"][i], own["v"][i])
+            x, gk, gv, layer_ids = layer(p, x, c.sliding_layers[i], i, own["k"][i], own["v"][i])
             ks.append(gk)
             vs.append(gv)
+            ids.append(layer_ids)
         own = dict(own, k=tuple(ks), v=tuple(vs))
+        routing = jnp.stack(ids) if c.is_moe else None
     hidden = rms_norm(x, model.final_norm.scale[...], eps=c.rms_norm_eps, gemma=c.is_gemma)
-    return hidden[:, 0], own
+    return hidden[:, 0], own, routing
 

@@ -54,6 +54,7 @@ from jaxrl_llm.sampling.decode_program import (  # noqa: F401 (process_logits re
     process_logits,
     select_rows,
 )
+from jaxrl_llm.sampling.routing import check_routing_model
 
 Array = jax.Array
 
@@ -124,6 +125,9 @@ class GenerationOutput:
     # [N, max_new] uint8: 1 where the model sampled the token, 0 where an environment's was
     # fed (multi-turn episodes, `ContinuousSampler.generate(turns=...)`); None: all sampled
     action_mask: np.ndarray | None = None
+    # [N, max_new, L, k] int8/int16: the experts of token t as it was fed (t < length − 1;
+    # -1 elsewhere), only with `generate(return_routing=True)` (sampling/routing.py)
+    routing: np.ndarray | None = None
 
     def completions(self) -> list[list[int]]:
         """Completion token lists without padding."""
@@ -337,7 +341,8 @@ class Sampler:
                  *, progress: bool = False, return_logits: bool = False,
                  on_batch: Callable[[int], None] | None = None,
                  on_segment: Callable[[int, int], None] | None = None,
-                 prompt_ids: Sequence[int] | None = None) -> GenerationOutput:
+                 prompt_ids: Sequence[int] | None = None,
+                 return_routing: bool = False) -> GenerationOutput:
         """Sample `params.n` completions for every prompt (token id lists, no padding).
 
         `return_logits` also returns every step's unprocessed logits (tests and debugging:
@@ -348,7 +353,11 @@ class Sampler:
         line does not wait for the whole batch. `prompt_ids`: the ids that key each prompt's
         noise (default 0, 1, …; a caller that samples a data set in chunks passes each prompt's
         index in the data set, so a sample does not depend on the chunking).
+        `return_routing` (a mixture of experts): each fed token's experts in the output's
+        `routing` (sampling/routing.py).
         """
+        if return_routing:
+            check_routing_model(self.model)
         prompts = self.checked_prompts(prompts, params)
         ids = self.checked_ids(prompt_ids, len(prompts))
         graphdef, state = nnx.split(self.model)
@@ -358,8 +367,8 @@ class Sampler:
         stop_ids = jnp.asarray(params.stop_token_ids or (-1,), jnp.int32)
         cache_dtype = self._cache_dtype()
         layer_params = fused_layer_params(graphdef, state)  # once per call, for every batch
-        static = dict(program=Program.of(params), pad_token_id=self.pad_token_id,
-                      return_logits=return_logits)
+        static = dict(program=Program.of(params, routing=return_routing),
+                      pad_token_id=self.pad_token_id, return_logits=return_logits)
         run_segment = lambda carry, until: decode_segment(
             graphdef, state, layer_params, carry, until, temperature, top_p, stop_ids,
             **static)
@@ -407,4 +416,5 @@ class Sampler:
             top_k=params.top_k,
             top_p=params.top_p,
             logits=merged.get("logits"),
+            routing=merged.get("routing"),
         )

@@ -36,6 +36,7 @@ from flax import nnx
 from jaxrl_llm.sampling.decode_program import Program, _last_logits, sample_key, sample_step
 from jaxrl_llm.sampling.layout import DecodeLayout
 from jaxrl_llm.sampling.prompt_cache import prefill_chunk, slot_forward
+from jaxrl_llm.sampling.routing import routing_buffer, step_routing
 
 Array = jax.Array
 _STATIC = ("graphdef", "program", "pad_token_id", "return_logits")
@@ -50,9 +51,10 @@ def _own_map(own: dict, fn) -> dict:
 
 def init_slots(model: Any, *, slots: int, gen_len: int, cache_dtype: Any, max_new: int,
                vocab: int, pad_token_id: int, key: Array, return_logits: bool,
-               staging: dict) -> dict:
+               staging: dict, routing: bool = False) -> dict:
     """Empty slots (every slot free: `active` False), G = gen_len generated slots each, and
-    the staging area `staging` (`prompt_cache.init_staging`)."""
+    the staging area `staging` (`prompt_cache.init_staging`); `routing`: a buffer for each
+    generated token's experts (`sampling/routing.py`)."""
     cache = model.init_cache(slots, gen_len, cache_dtype)
     zeros = lambda dtype=jnp.int32: jnp.zeros((slots,), dtype)  # distinct buffers (donated)
     state = dict(own=dict(k=cache.k, v=cache.v), last=zeros(), position=zeros(), t=zeros(),
@@ -64,6 +66,8 @@ def init_slots(model: Any, *, slots: int, gen_len: int, cache_dtype: Any, max_ne
                raw_logprobs=jnp.zeros((slots, max_new), jnp.float32))
     if return_logits:
         out["logits"] = jnp.zeros((slots, max_new, vocab), jnp.float32)
+    if routing:
+        out["routing"] = routing_buffer(model.config, slots, max_new)
     return dict(state=state, out=out, steps=jnp.int32(0), staging=staging)
 
 
@@ -139,6 +143,8 @@ def assign_slots(carry: dict, store: dict, take: Array, rows: Array, prompt_ids:
                raw_logprobs=set_(out["raw_logprobs"], first(raw_lp)))
     if return_logits:
         out["logits"] = set_(out["logits"], first(logits))
+    if program.routing:  # nothing fed yet (a slot's previous sample wrote its own columns)
+        out["routing"] = set_(out["routing"], jnp.full_like(out["routing"], -1))
     state = dict(state, last=set_(state["last"], token), row=set_(state["row"], rows),
                  position=set_(state["position"], layout.take(store["lengths"], rows)),
                  t=set_(state["t"], jnp.ones_like(token)), prompt=set_(state["prompt"], prompt_ids),
@@ -188,9 +194,9 @@ def decode_slots(graphdef, state, layer_params: Any, carry: dict, store: dict, s
         active = slot["active"]
         t = slot["t"]
         rows = jnp.where(active, slot["row"], k_rows)  # a free slot reads and writes nothing
-        hidden, own = slot_forward(model, layer_params, slot["last"], slot["position"],
-                                   slot["own"], store, rows, slot["sample"], t, program.n,
-                                   layout=layout)
+        hidden, own, routing = slot_forward(model, layer_params, slot["last"],
+                                            slot["position"], slot["own"], store, rows,
+                                            slot["sample"], t, program.n, layout=layout)
         staged = jax.lax.cond(staged["chunk"] < staged["chunks"],
                               lambda s: prefill_chunk(model, layer_params, s, chunk),
                               lambda s: s, staged)
@@ -207,6 +213,10 @@ def decode_slots(graphdef, state, layer_params: Any, carry: dict, store: dict, s
                    raw_logprobs=put(out["raw_logprobs"], raw_lp))
         if return_logits:
             out["logits"] = put(out["logits"], logits)
+        if program.routing:  # the token fed in is completion token t − 1 (routing.py)
+            ids = step_routing(routing, out["routing"].dtype)
+            out["routing"] = out["routing"].at[index, jnp.where(active, t - 1, max_new)].set(
+                ids, mode="drop")
         stop = active & ~fed & jnp.isin(token, stop_ids)
         t = t + active.astype(jnp.int32)
         # an idle slot keeps its last token: a parked one feeds it when it resumes

@@ -15,6 +15,9 @@ train this loss as configured?
   record with: refused, naming the directory and generate.n.
 - `loss.mu_source: sampler` needs the sampler's processed log-probs to be the policy's: not
   after top-k/top-p truncation, not greedy (a point mass), and present at all.
+- `model.routing_replay: sampler` needs records whose sampler recorded each token's experts
+  (manifest `extra.routing`, written by the JAX sampler; vLLM records have none) for a model
+  with as many layers and experts per token (`check_routing`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from jaxrl_llm.data.records import validate_record
 from jaxrl_llm.data.sampler_info import effective_temperature, manifest_sampler_info
 from jaxrl_llm.data.shards import MANIFEST_NAME, Manifest, RecordSource, read_manifest
 from jaxrl_llm.train.score import REF_TEMPERATURE
-from jaxrl_llm.weights.loading import check_fits_context, model_context
+from jaxrl_llm.weights.loading import check_fits_context, decoder_config, model_context
 
 
 def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> ExperimentConfig:
@@ -38,6 +41,7 @@ def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> 
     the records' manifest when the loss reads μ and the config leaves it unset."""
     manifest = read_manifest(directory)
     where = str(epath.Path(directory) / MANIFEST_NAME)
+    check_routing(config, directory, manifest)
     spec = config.loss.spec
     if spec.needs_groups:
         check_groups(config.loss.name, manifest, str(directory), where)
@@ -48,6 +52,35 @@ def check_records(config: ExperimentConfig, directory: str | epath.PathLike) -> 
     if config.loss.mu_source == "sampler":
         check_sampler_mu(manifest, where)
     return adopt_temperature(config, manifest, str(directory), where)
+
+
+def check_routing(config: ExperimentConfig, directory: str | epath.PathLike,
+                  manifest: Manifest | None = None) -> None:
+    """`model.routing_replay: sampler` on records that carry routing for this model (manifest
+    `extra.routing`, `data.routing.routing_info`): a `ConfigError` naming the key and the
+    directory otherwise, before any model is loaded (config.json is read for the layers)."""
+    if config.model.routing_replay == "off":
+        return
+    manifest = manifest or read_manifest(directory)
+    where = str(epath.Path(directory) / MANIFEST_NAME)
+    info = manifest.extra.get("routing")
+    if not isinstance(info, dict):
+        backend = manifest.sampling.backend
+        raise ConfigError(
+            f"model.routing_replay={config.model.routing_replay} replays the experts each token "
+            f"was sampled with, but the records in {directory} carry none ({where} has no "
+            f"extra.routing; sampled by the {backend} backend"
+            + (", which cannot record them" if backend == "vllm" else "")
+            + "): regenerate them with `jaxrl-llm generate` (generate.backend=jax) and "
+            "model.routing_replay=sampler, or set model.routing_replay=off")
+    model = decoder_config(config.model)
+    want = {"layers": model.num_layers, "experts_per_token": model.num_experts_per_tok}
+    got = {k: info.get(k) for k in want}
+    if got != want:
+        raise ConfigError(
+            f"model.routing_replay={config.model.routing_replay}: the records in {directory} "
+            f"hold the routing of a model with {got} ({where}: extra.routing), this model has "
+            f"{want}: replay records sampled by this model, or set model.routing_replay=off")
 
 
 def check_groups(loss: str, manifest: Manifest, directory: str, where: str) -> None:

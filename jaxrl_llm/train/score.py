@@ -188,6 +188,7 @@ def score_records(
     devices: Sequence[Any] | None = None,
     max_mismatch: float | None = None,
     drop_mismatched: bool = False,
+    routing_replay: bool = False,
 ) -> dict[str, float]:
     """Write `in_dir`'s records with `mu_logprobs` and `ref_logprobs` to `out_dir`; returns
     the sampler-vs-trainer mismatch metrics (`train.mismatch.Mismatch`).
@@ -198,6 +199,8 @@ def score_records(
     `max_mismatch` (`generate.max_mismatch`, nats) flags records whose |Σ log μ_trainer −
     Σ log μ_sampler| exceeds it (`metadata["mismatch"]`), or with `drop_mismatched`
     (`generate.drop_mismatched`) leaves them out; the counts are in the metrics.
+    `routing_replay` (`model.routing_replay: sampler`): μ's forward routes each completion
+    token to the experts the record holds (`Record.routing`; docs/moe.md).
     `mesh` (the training mesh, `make_mesh(config.mesh)`) shards parameters and rows like the
     train step; `devices` instead gives a data-parallel mesh over them; neither: one device
     (single process). `batch_size` (`generate.score_batch_size`) is the global rows per call
@@ -223,7 +226,8 @@ def score_records(
         raise ValueError("score_records: pass mesh or devices, not both")
     mesh = mesh if mesh is not None else default_mesh(devices)
     local_rows = process_rows(mesh, batch_size)  # fail before placing the parameters
-    scorer = Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh)
+    scorer = Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh,
+                    routing=routing_replay)
     compare = compared_logprobs(manifest, temperature, REF_TEMPERATURE)
     out.mkdir(parents=True, exist_ok=True)
     plan = _plan(source.manifest, source.lengths(), out, local_rows)
@@ -286,6 +290,7 @@ def score_records(
             "score_compared": compare.to_json(),
             "score_mismatch_bound": {"max_mismatch": max_mismatch, "drop": drop_mismatched},
             "score_metrics": metrics,
+            "score_routing_replay": "sampler" if routing_replay else "off",
         }
         write_manifest(out, manifest)
     _barrier("jaxrl_llm.score: manifest written")  # readers of out_dir on any process see it

@@ -52,7 +52,8 @@ def record_scores(config: ExperimentConfig, mesh: Any, st: Any, params: Any, bat
         def seq_logp(p: Any) -> tuple[jax.Array, jax.Array]:
             hidden, unembed, softcap = forward(
                 st.graphdef, cast_to_dtypes(p, st.param_dtypes), st.model_state,
-                row(batch.inputs), row(batch.positions), row(batch.segment_ids), mesh)
+                row(batch.inputs), row(batch.positions), row(batch.segment_ids), mesh,
+                routing=None if batch.routing is None else row(batch.routing))
             logp = token_logprobs(hidden, unembed, row(batch.targets),
                                   chunk_size=lc.logprob_chunk_size, temperature=tau,
                                   softcap=softcap)

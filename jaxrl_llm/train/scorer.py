@@ -92,11 +92,16 @@ class Scorer:
     `train.state.create_train_state`; a LoRA model's `ref` is its base (adapters off). Each
     call takes this process's rows `[local_rows, T]` of a global batch of `batch_size` rows
     and returns their float32 log-probs; all processes must call it together with the same T.
+    `routing` (a mixture of experts' routing replay, `model.routing_replay: sampler`): each
+    call also takes the rows' experts [local_rows, T, L, k] (`Batch.routing`), which μ's
+    forward replays; π_ref's (a LoRA base's) routes by its own routers.
     """
 
-    def __init__(self, model: Any, *, temperature: float, chunk_size: int, mesh: Mesh) -> None:
+    def __init__(self, model: Any, *, temperature: float, chunk_size: int, mesh: Mesh,
+                 routing: bool = False) -> None:
         graphdef, params, rest = split_model(model)
         self.mesh = mesh
+        self.model_config = getattr(model, "config", None)  # routing shapes (L, k)
         self.params = jax.tree.map(jax.device_put, params, state_shardings(params, mesh))
         # Sharded like parameters: with LoRA the frozen base weights are in `rest`.
         self.model_state = jax.tree.map(jax.device_put, rest, state_shardings(rest, mesh))
@@ -106,10 +111,14 @@ class Scorer:
         # load-balanced order, `parallel/context.py`); outputs come back whole along T
         self.tokens = NamedSharding(mesh, batch_spec("inputs", 2, mesh))
         self.context = context_shards(mesh)
+        self.routing = routing
+        if routing and self.context > 1:
+            raise ConfigError("model.routing_replay=sampler cannot score with mesh.context > 1 "
+                              "(the replayed experts ride in the natural token order)")
 
-        def score(params, model_state, inputs, targets, positions, segment_ids):
+        def score(params, model_state, inputs, targets, positions, segment_ids, routing=None):
             hidden, unembed, softcap = forward(graphdef, params, model_state, inputs, positions,
-                                               segment_ids, mesh)
+                                               segment_ids, mesh, routing=routing)
             # No-op whenever the trainer itself runs (it requires equal dtypes).
             unembed = unembed.astype(hidden.dtype)
 
@@ -134,7 +143,13 @@ class Scorer:
         memory left (`parallel/memory.py`), naming `generate.score_batch_size`."""
         length = padded_length(length, self.context)
         spec = jax.ShapeDtypeStruct((batch_size, length), np.int32, sharding=self.tokens)
-        compiled = self._score.lower(self.params, self.model_state, *[spec] * 4).compile()
+        routing = None
+        if self.routing:
+            c = self.model_config
+            routing = jax.ShapeDtypeStruct((batch_size, length, c.num_layers,
+                                            c.num_experts_per_tok), np.int16, sharding=self.rows)
+        compiled = self._score.lower(self.params, self.model_state, *[spec] * 4,
+                                     routing).compile()
         memory = program_memory(compiled, self.mesh)
         available = available_memory(self.mesh.devices.flat[0])
         if not fits(memory, available):
@@ -143,12 +158,19 @@ class Scorer:
                 f"of memory, so it was not started: lower {BATCH_SIZE_KEY} (now {batch_size})")
 
     def __call__(self, inputs: np.ndarray, targets: np.ndarray, positions: np.ndarray,
-                 segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 segment_ids: np.ndarray, routing: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
         local, length = inputs.shape
+        if (routing is None) == self.routing:
+            raise ValueError(f"Scorer(routing={self.routing}) called with"
+                             f"{'out' if routing is None else ''} routing")
         rows = _context_rows([inputs, targets, positions, segment_ids], self.context)
         global_shape = (local * jax.process_count(), rows[0].shape[1])
         arrays = [jax.make_array_from_process_local_data(self.tokens, a, global_shape)
                   for a in rows]
+        if routing is not None:
+            arrays.append(jax.make_array_from_process_local_data(
+                self.rows, routing, (global_shape[0], *routing.shape[1:])))
         mu, ref = self._score(self.params, self.model_state, *arrays)
         return tuple(restore_order(_local_rows(x), self.context)[:, :length] for x in (mu, ref))
 
@@ -164,7 +186,7 @@ def _context_rows(arrays: list[np.ndarray], context: int) -> list[np.ndarray]:
 
 
 def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh: Mesh | None = None,
-                devices: Sequence[Any] | None = None) -> Scorer:
+                devices: Sequence[Any] | None = None, routing: bool = False) -> Scorer:
     """A `Scorer` for `model` on `mesh` (docs/architecture.md § Why μ is re-scored).
 
     `mesh` is normally the training mesh (`parallel.mesh.make_mesh(config.mesh)`); without
@@ -174,7 +196,8 @@ def make_scorer(model: Any, *, temperature: float, chunk_size: int = 4096, mesh:
         raise ValueError("make_scorer: pass mesh or devices, not both")
     if mesh is None:
         mesh = default_mesh(devices)
-    return Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh)
+    return Scorer(model, temperature=temperature, chunk_size=chunk_size, mesh=mesh,
+                  routing=routing)
 
 
 def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
@@ -187,11 +210,18 @@ def score_batch(scorer: Any, records: Sequence[Record], batch_size: int,
     model tokens after them; the log-probs are kept at model tokens only (`action_mask` 1),
     0.0 at environment tokens, which are never actions (data/records.py).
     """
-    rows = [record_row(r) for r in records]
+    replay = getattr(scorer, "routing", False)  # the records' experts, replayed in μ's forward
+    rows = [record_row(r, routing=replay, where=f"records[{i}]") for i, r in enumerate(records)]
     if length is None:
         length = default_bucket(max(r["inputs"].size for r in rows))
     batch = collate(rows, batch_size, (length,))
-    mu, ref = scorer(batch.inputs, batch.targets, batch.positions, batch.segment_ids)
+    if replay and batch.routing is None:  # no records (a lockstep padding batch)
+        c = scorer.model_config
+        batch = batch.replace(routing=np.full((batch_size, length, c.num_layers,
+                                               c.num_experts_per_tok), -1, np.int16))
+    routing = {"routing": batch.routing} if replay else {}
+    mu, ref = scorer(batch.inputs, batch.targets, batch.positions, batch.segment_ids,
+                     **routing)
     out = []
     for i, r in enumerate(records):
         span = slice(r.prompt_ids.size - 1, r.prompt_ids.size - 1 + r.completion_ids.size)

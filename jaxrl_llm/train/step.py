@@ -18,6 +18,9 @@ One step:
    `router_aux_loss_coef` · load-balancing + `router_z_loss_coef` · z-loss, as a term of
    `total` weighted by the micro-batch's `weight` (so `Σ total / Σ weight` is the loss plus
    their weight-averaged sum), and logs both as `loss/router_aux_loss`, `loss/router_z_loss`.
+   With routing replay (`model.routing_replay: sampler`, `Batch.routing`) the policy's forward
+   routes each completion token to the experts it was sampled with (docs/moe.md); the frozen
+   reference routes by its own routers.
 4. Non-finite batch field, loss or gradient: the update is skipped (params, optimizer state and step
    unchanged bit for bit: a `jnp.where` selection of the old arrays, not a zero update, which
    would turn −0.0 into +0.0; optax's `apply_if_finite` also changes the optimizer state's
@@ -103,21 +106,25 @@ def _for_kernel(unembed: jax.Array, mesh: Mesh | None):
 
 def forward(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: jax.Array,
             positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None,
-            *, gather_unembed: bool = True, grad_accumulator: LayerGradAccumulator | None = None):
+            *, gather_unembed: bool = True, grad_accumulator: LayerGradAccumulator | None = None,
+            routing: jax.Array | None = None):
     """(hidden [B,T,d], unembedding [d,V], final-logit softcap): `forward_moe` without the
     mixture of experts' router losses."""
     return forward_moe(graphdef, params, model_state, inputs, positions, segment_ids, mesh,
-                       gather_unembed=gather_unembed, grad_accumulator=grad_accumulator)[:3]
+                       gather_unembed=gather_unembed, grad_accumulator=grad_accumulator,
+                       routing=routing)[:3]
 
 
 def forward_moe(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs: jax.Array,
                 positions: jax.Array, segment_ids: jax.Array, mesh: Mesh | None = None,
                 *, gather_unembed: bool = True,
-                grad_accumulator: LayerGradAccumulator | None = None):
+                grad_accumulator: LayerGradAccumulator | None = None,
+                routing: jax.Array | None = None):
     """(hidden [B,T,d], unembedding [d,V], final-logit softcap, router losses) of the model on
     token rows `inputs [B,T]` with their `positions` and `segment_ids` (a `Batch`'s fields of
     those names). Router losses: None for a dense model, else (penalty, metrics) of
-    `moe.router_losses`.
+    `moe.router_losses`. `routing` [B,T,L,k] (`Batch.routing`, routing replay): the experts
+    each token goes to (-1: its own top-k), gates from the current routers (docs/moe.md).
 
     With a mesh, hidden states are pinned to batch sharding and (`gather_unembed`) the
     unembedding is all-gathered over "fsdp" (vocab stays split over "tensor"): otherwise
@@ -137,6 +144,8 @@ def forward_moe(graphdef: Any, params: nnx.State, model_state: nnx.State, inputs
         moe = getattr(getattr(model, "config", None), "is_moe", False)
         if moe:
             extra["return_moe"] = True
+        if routing is not None:  # [B, T, L, k] -> the decoder's [L, B, T, k]
+            extra["routing"] = jnp.transpose(routing, (2, 0, 1, 3))
         hidden = model(inputs, positions=positions, segment_ids=segment_ids, **extra)
     losses = None
     if moe:
@@ -303,6 +312,7 @@ def make_loss_and_grad(config: ExperimentConfig, mesh: Mesh, state: TrainState):
                 hidden, unembed, softcap, router = forward_moe(
                     st.graphdef, model_params, st.model_state, b.inputs, b.positions,
                     b.segment_ids, mesh, gather_unembed=False, grad_accumulator=accumulator,
+                    routing=b.routing,  # routing replay: the sampler's experts (π only)
                 )
                 unembed, rows = _for_kernel(unembed, mesh)
                 out: LossOutput = compute_loss(

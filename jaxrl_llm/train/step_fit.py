@@ -41,7 +41,9 @@ def largest_batch(batch: Any, max_seq_len: int) -> Any:
         return batch
 
     def spec(name: str, x: Any) -> Any:
-        shape = (x.shape[0], max_seq_len) if name in TOKEN_FIELDS else x.shape
+        # token arrays, and the routing [B, T, L, k]: T becomes max_seq_len
+        long = name in TOKEN_FIELDS or name == "routing"
+        shape = (x.shape[0], max_seq_len, *x.shape[2:]) if long else x.shape
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
     return batch.replace(**{n: spec(n, getattr(batch, n)) for n in array_fields(batch)})

@@ -50,7 +50,7 @@ def episode(**changes) -> Record:
 def test_action_mask_round_trips_in_schema_version_3():
     r = episode()
     payload = msgpack.unpackb(r.to_bytes(), raw=False)
-    assert payload["v"] == 3
+    assert payload["v"] == 4  # the current writer (version 4 added routing)
     assert payload["action_mask"] == ACTION.tobytes()  # one byte a token
     back = Record.from_bytes(r.to_bytes())
     assert back.action_mask.dtype == np.uint8
@@ -69,7 +69,7 @@ def test_action_mask_round_trips_in_schema_version_3():
 def test_versions_1_and_2_still_read_and_a_mask_needs_version_3():
     payload = msgpack.unpackb(episode().to_bytes(), raw=False)
     for version in (2, 1):
-        old = {k: v for k, v in payload.items() if k != "action_mask"}
+        old = {k: v for k, v in payload.items() if k not in ("action_mask", "routing")}
         if version == 1:
             del old["ref_logprobs"]
         old["v"] = version
@@ -78,8 +78,8 @@ def test_versions_1_and_2_still_read_and_a_mask_needs_version_3():
     payload["v"] = 2  # a version-2 writer never wrote a mask: refuse, naming the field
     with pytest.raises(RecordError, match=r"^old\[0\]: field 'action_mask' in a schema version 2"):
         Record.from_bytes(msgpack.packb(payload, use_bin_type=True), where="old[0]")
-    payload["v"] = 4
-    with pytest.raises(RecordError, match=r"^old\[0\]: schema version 4"):
+    payload["v"] = 5
+    with pytest.raises(RecordError, match=r"^old\[0\]: schema version 5"):
         Record.from_bytes(msgpack.packb(payload, use_bin_type=True), where="old[0]")
 
 

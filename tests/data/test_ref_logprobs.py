@@ -78,14 +78,14 @@ def test_score_writes_ref_at_t1_and_mu_at_the_sampling_temperature(scored):
 def test_version_1_records_still_load_and_unknown_versions_are_refused():
     r = make_records(1, seed=0)[0]
     payload = msgpack.unpackb(r.to_bytes(), raw=False)
-    assert payload["v"] == 3 and payload["ref_logprobs"] is None
-    del payload["ref_logprobs"], payload["action_mask"]
+    assert payload["v"] == 4 and payload["ref_logprobs"] is None
+    del payload["ref_logprobs"], payload["action_mask"], payload["routing"]
     payload["v"] = 1  # what the schema before ref_logprobs wrote
     old = Record.from_bytes(msgpack.packb(payload, use_bin_type=True), where="old.array_record[0]")
     assert old.ref_logprobs is None
     np.testing.assert_array_equal(old.mu_logprobs, r.mu_logprobs)
-    payload["v"] = 4
-    with pytest.raises(RecordError, match=r"old.array_record\[0\]: schema version 4"):
+    payload["v"] = 5
+    with pytest.raises(RecordError, match=r"old.array_record\[0\]: schema version 5"):
         Record.from_bytes(msgpack.packb(payload, use_bin_type=True), where="old.array_record[0]")
     ref = -np.arange(1, r.completion_ids.size + 1, dtype=np.float32) / 10
     again = Record.from_bytes(r.replace(ref_logprobs=ref).to_bytes())
