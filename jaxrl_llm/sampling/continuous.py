@@ -334,9 +334,12 @@ class ContinuousSampler(Sampler):
             steps = min(steps, gen_len - top + 1)
             chunks_before = int(host_array(carry["staging"]["chunk"]))
             start = time.perf_counter()
+            # episodes: back to the host as soon as one more slot stops (a turn's end goes to
+            # its environment at once); else when `refill_slots` more are free to refill
+            refill_at = (int((~running).sum()) + 1 if parked is not None else
+                         self.refill_slots if more else len(busy) + 1)
             carry = decode_slots(graphdef, state, layer_params, carry, store, np.int32(steps),
-                                 np.int32(self.refill_slots + (len(parked) if parked else 0)
-                                          if more else len(busy) + 1),
+                                 np.int32(refill_at),
                                  **traced, **static, chunk=size["chunk"])
             slot = {name: host_array(carry["state"][name]) for name in ("active", "t", "stopped")}
             chunk_now, chunks = (int(host_array(carry["staging"][f])) for f in ("chunk", "chunks"))
