@@ -141,7 +141,9 @@ class Policy:
     `sampler_batch` (None: each `sample` call picks its prompt batch from `generate.batch_size`
     and the memory left; an int: that batch always, so the compiled shapes, and with them a
     log-prob's last bits, never depend on the memory free at the time: the online loop fixes
-    it once per run, `online.sampler_shape`)."""
+    it once per run, `online.sampler_shape`), `record_routing` (a mixture of experts: `sample`
+    records each token's experts; default: `model.routing_replay: sampler`, which replays
+    them; True alone records them, e.g. to measure router disagreement)."""
 
     def __init__(self, config: ExperimentConfig, state: Any, tokenizer: Any, mesh: Any,
                  *, info: Mapping[str, Any] | None = None) -> None:
@@ -155,6 +157,7 @@ class Policy:
         self._said: set[str] = set()  # memory notes already printed (one per figure)
         self._score_fns: dict[float, Any] = {}
         self.sampler_batch: int | None = None
+        self.record_routing = config.model.routing_replay == "sampler"
         self._signal = SignalWatch(config)  # `step`'s learning-signal metrics and warning
 
     # -- the model ------------------------------------------------------------------------
@@ -207,7 +210,7 @@ class Policy:
         samples then carry each token's version. `on_segment`: called after each decode
         segment (`Sampler.generate`); an exception it raises abandons the call. `turns`:
         multi-turn episodes (`sampling.turns.TurnHook`; `rollout(env=...)` makes one).
-        With `model.routing_replay: sampler` the samples carry each token's experts."""
+        With `record_routing` the samples carry each token's experts."""
         g = self.config.generate
         ids = [list(map(int, p)) for p in prompts] if prompts and not isinstance(
             prompts[0], str) else self.encode(prompts)  # type: ignore[arg-type]
@@ -232,7 +235,7 @@ class Policy:
         hook = dict(weights=weights, version=version) if weights is not None else {}
         if turns is not None:
             hook["turns"] = turns
-        if self.config.model.routing_replay == "sampler":
+        if self.record_routing:
             hook["return_routing"] = True
         out = sampler.generate(ids, params, jax.random.key(seed), on_segment=on_segment,
                                **hook)
