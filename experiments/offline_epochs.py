@@ -20,7 +20,12 @@ registry does not have is skipped with a note, so the config can name losses bef
 
 `--methods` runs only the named methods (same protocol, datasets and warm policy, reused from
 OUT when there) and merges them into OUT/results.json: the other methods' entries are read
-from it and kept, provided it was written under the same config.
+from it and kept, provided it was written under the same config. `--merge DIR ...` runs
+nothing: it joins the methods of earlier outputs' results.json (e.g. two processes run side
+by side with disjoint `--methods`) into OUT, provided each was written under this config and
+from the same start (μ probed on the same draws). Each finished training run is kept in
+OUT/cells/ and reused by a later invocation with the same protocol, overrides, μ and start (a
+cut invocation resumes with the runs it had finished).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from experiments import aggregate, common, redraw
 
 CONFIG = Path(__file__).with_name("offline_epochs.yaml")
 ESS_METRIC = "loss/ess_fraction"
+# the trainer metrics kept beside the probes: ESS, clipped, masked or truncated fractions
+LOGGED = ("ess", "clip", "mask", "truncated")
 
 
 def available_methods(cfg: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -65,16 +72,23 @@ def select_methods(methods: dict[str, dict[str, Any]], names: list[str] | None,
     return {m: methods[m] for m in cfg["methods"] if m in names}
 
 
+PER_METHOD = ("methods", "clip_metric")  # config keys with an entry per method
+
+
+def same_protocol(old: dict[str, Any], cfg: dict[str, Any], methods: list[str]) -> bool:
+    """`old` (a results.json's config) ran `methods` as `cfg` would: every key but the
+    per-method ones equal, and those methods' own entries equal."""
+    return ({k: v for k, v in cfg.items() if k not in PER_METHOD}
+            == {k: v for k, v in old.items() if k not in PER_METHOD}
+            and all(old[k].get(m) == cfg[k].get(m) for k in PER_METHOD for m in methods))
+
+
 def merge(previous: dict[str, Any], results: dict[str, Any],
           cfg: dict[str, Any]) -> dict[str, Any]:
     """This run's methods merged into a previous results.json's: the previous entries of the
     methods not rerun are kept, in the config's method order; the protocol must match."""
-    old = previous["config"]
-    per_method = ("methods", "clip_metric")
-    same = {k: v for k, v in cfg.items() if k not in per_method} == \
-        {k: v for k, v in old.items() if k not in per_method}
     kept = [m for m in previous["methods"] if m not in results["methods"]]
-    if not same or any(old[k].get(m) != cfg[k].get(m) for k in per_method for m in kept):
+    if not same_protocol(previous["config"], cfg, kept):
         raise SystemExit("--methods: the previous results.json was written under another "
                          "config; rerun every method instead")
     if previous.get("start") != results.get("start"):
@@ -89,6 +103,37 @@ def merge(previous: dict[str, Any], results: dict[str, Any],
                          "previous_seconds": previous.get("seconds")}}
     merged["skipped_methods"] = [m for m in cfg["methods"] if m not in merged["methods"]]
     return merged
+
+
+def merge_outputs(dirs: list[Path], cfg: dict[str, Any]) -> dict[str, Any]:
+    """`--merge`: the methods of several outputs' results.json joined under `cfg`. Each must
+    have run its methods under this config, from the same start (μ on the same probe draws)
+    on the same datasets, and no method may come from two outputs."""
+    parts = [json.loads((d / "results.json").read_text()) for d in dirs]
+    owner: dict[str, Path] = {}
+    datasets: dict[str, Any] = {}
+    for d, part in zip(dirs, parts, strict=True):
+        if not same_protocol(part["config"], cfg, list(part["methods"])):
+            raise SystemExit(f"{d}/results.json was written under another config")
+        if part["start"] != parts[0]["start"]:
+            raise SystemExit(f"{d}/results.json: start {part['start']} differs from "
+                             f"{dirs[0]}/results.json's {parts[0]['start']}: another μ or probe")
+        for seed, comp in part["datasets"].items():
+            if datasets.setdefault(seed, comp) != comp:
+                raise SystemExit(f"{d}/results.json: seed {seed}'s dataset {comp} differs "
+                                 f"from {datasets[seed]} in an earlier output")
+        for m in part["methods"]:
+            if m in owner:
+                raise SystemExit(f"--merge: method {m!r} is in both {owner[m]} and {d}")
+            owner[m] = d
+    entries = {m: e for part in parts for m, e in part["methods"].items()}
+    return {**parts[0], "config": cfg, "datasets": datasets,
+            "methods": {m: entries[m] for m in cfg["methods"] if m in entries},
+            "skipped_methods": [m for m in cfg["methods"] if m not in entries],
+            "merged_from": [{"out": str(d), "methods": list(part["methods"]),
+                             "seconds": part.get("seconds"),
+                             "cpu_seconds": part.get("cpu_seconds")}
+                            for d, part in zip(dirs, parts, strict=True)]}
 
 
 def dataset(out: Path, warm: dict[str, Any], cfg: dict[str, Any], seed: int) -> Path:
@@ -127,14 +172,14 @@ def ess_fraction(log_w: np.ndarray) -> float:
 
 
 def logged(run_dir: Path) -> dict[int, dict[str, float]]:
-    """step → the ESS / clip / mask metrics of that metrics.jsonl row."""
+    """step → the ESS / clip / mask / truncation metrics of that metrics.jsonl row."""
     out: dict[int, dict[str, float]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if "step" in row:
             out[int(row["step"])] = {k: float(v) for k, v in row.items()
                                      if k.startswith("loss/") and isinstance(v, int | float)
-                                     and ("ess" in k or "clip" in k or "mask" in k)}
+                                     and any(w in k for w in LOGGED)}
     return out
 
 
@@ -168,6 +213,8 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.data.shards import RecordSource
 
+    if getattr(args, "merge", None):
+        return merge_outputs(args.merge, cfg)
     methods, skipped = available_methods(cfg)
     methods = select_methods(methods, getattr(args, "methods", None), cfg)
     previous_path = args.out / "results.json"
@@ -206,21 +253,35 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         nonlocal step0
         config_path, probes, extra = seed_setup(seed)
         run_dir = args.out / "runs" / f"{method}-lr{lr:g}-seed{seed}"
-        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the Trainer would resume
-        overrides = [f"loss.name={method}", f"optim.learning_rate={lr}", f"run_dir={run_dir}",
+        overrides = [f"loss.name={method}", f"optim.learning_rate={lr}",
                      *(f"loss.{k}={v}" for k, v in methods[method].items())]
-        config = load_config(str(config_path), overrides)
+        config = load_config(str(config_path), [*overrides, f"run_dir={run_dir}"])
         if step0 is None:  # the initial policy, once: every run starts from it
             mu = common.load_policy(warm["model"], config)
             step0 = {**probes["test"](mu), "dataset_ess_fraction": 1.0}
             val0 = probes["validation"](mu)
             results["start"] = {**step0, "val_pass_at_1": val0["pass_at_1"],
                                 "val_pass_at_1_se": val0["pass_at_1_se"]}
+        # a run finished under the same protocol, overrides, μ and start is reused (a cut
+        # invocation resumes with the runs it had finished)
+        key = {"overrides": overrides, "protocol": {k: v for k, v in cfg.items()
+                                                    if k not in PER_METHOD},
+               "warm_model": warm["model"], "start": step0}
+        cell = args.out / "cells" / f"{run_dir.name}.json"
+        done = json.loads(cell.read_text()) if cell.exists() else None
+        if done is not None and done["key"] == key:
+            rows, seconds[method][f"lr{lr:g}-seed{seed}"] = done["rows"], done["seconds"]
+            print(f"[{method} lr {lr:g} seed {seed}] reused {cell}", flush=True)
+            return [{"step": 0, **step0}, *rows]
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the Trainer would resume
         t0 = time.perf_counter()
         rows = train_one(config, cfg, probes, extra["weights"])
         metrics = logged(run_dir)
         rows = [{**r, **metrics.get(int(r["step"]), {})} for r in rows]
         seconds[method][f"lr{lr:g}-seed{seed}"] = round(time.perf_counter() - t0, 1)
+        cell.parent.mkdir(parents=True, exist_ok=True)
+        common.write_results(cell.parent, run_dir.name, {
+            "key": key, "rows": rows, "seconds": seconds[method][f"lr{lr:g}-seed{seed}"]})
         last = rows[-1]
         print(f"[{method} lr {lr:g} seed {seed}] step {last['step']}: test pass@1 "
               f"{last['pass_at_1']:.3f} invalid {last['invalid']:.3f} val pass@1 "
@@ -289,7 +350,7 @@ def plot(results: dict[str, Any], path: Path) -> Any:
               ("dataset_ess_fraction", "steps", "ESS fraction of π(y)/μ(y) on the data"),
               ("clip_fraction", "trained_steps", "masked/clipped fraction (trainer)"))
     for i, (method, entry) in enumerate(results["methods"].items()):
-        color = f"C{i}"
+        color, style = f"C{i % 10}", ("-", "--")[i // 10 % 2]  # 10 colours, then dashed
         for ax, (key, xs, _) in zip(axes, panels, strict=True):
             if key not in entry:
                 continue
@@ -298,11 +359,11 @@ def plot(results: dict[str, Any], path: Path) -> Any:
             label = f"{method} ({labels[method]}, lr {entry['best_lr']:g})"
             if key == "clip_fraction":
                 label = f"{method}: {entry['clip_metric']}"
-            ax.plot(steps, m, color=color, label=label, marker=".")
+            ax.plot(steps, m, color=color, ls=style, label=label, marker=".")
             ax.fill_between(steps, m - se, m + se, color=color, alpha=0.2)
             if key == "dataset_ess_fraction" and "trainer_ess_fraction" in entry:
                 t = entry["trainer_ess_fraction"]
-                ax.plot(np.array(entry["trained_steps"]), t["mean"], color=color, ls="--",
+                ax.plot(np.array(entry["trained_steps"]), t["mean"], color=color, ls=":",
                         label=f"{method}: trainer {entry['ess_metric']}")
     for ax, (_, _, title) in zip(axes, panels, strict=True):
         ax.set(xlabel="step", title=title)
@@ -326,6 +387,9 @@ def main() -> None:
         parser.add_argument("--methods", nargs="+", metavar="NAME",
                             help="run only these methods and merge them into OUT/results.json "
                                  "(the other methods' entries there are kept)")
+        parser.add_argument("--merge", nargs="+", type=Path, default=[], metavar="DIR",
+                            help="run nothing: join the methods of earlier outputs' "
+                                 "results.json (same config and start) into OUT")
 
     common.run_experiment(__doc__, "offline_epochs", CONFIG, run, plot,
                           cache_name="warm_policy_quickstart", extra=methods_arg)

@@ -1,6 +1,7 @@
 """Staleness sweep in the online loop on the quickstart testbed (the set-up of M2PO
 arXiv:2510.01161: update u trains on samples drawn by the policy of update u − s), for TOPR,
-M2PO, CISPO, GRPO and IcePop at s ∈ staleness.
+M2PO, CISPO, GRPO, IcePop and the async-RL objectives (DPPO, TRM, OAPL, VCPO, AsymRE) at
+s ∈ staleness.
 
 Per method, staleness s and seed: one `jaxrl-llm online` run (`online.loop.run_online`, the
 command's own function, called in-process with an eval hook) from the quickstart's SFT-warmed
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from experiments import aggregate, common
 
 CONFIG = Path(__file__).with_name("staleness.yaml")
-LOGGED = ("ess", "clip", "mask", "log_ratio")
+LOGGED = ("ess", "clip", "mask", "log_ratio", "truncated")
 
 
 def online_config(out: Path, warm: dict[str, Any], cfg: dict[str, Any], method: str,
@@ -301,15 +302,27 @@ def merge(dirs: list[Path], cfg: dict[str, Any]) -> dict[str, Any]:
                         "method": method, "s": int(s), "seed": int(seed), "lr": entry["lr"],
                         "rows": rows[1:], "seconds": entry["seconds"][seed]}
                     devices[f"{method}-s{s}-seed{seed}"] = part.get("device", "not recorded")
-    sweeps = [p["lr_sweep"] for p in parts if p.get("start_validation")]
     merged = {**parts[0], "config": cfg, "merged_from": [str(d) for d in dirs],
-              "lr_sweep": sweeps[0] if sweeps else parts[0].get("lr_sweep"),
+              "lr_sweep": merged_sweeps(parts),
               "start_validation": next((p["start_validation"] for p in parts
                                         if p.get("start_validation")), None)}
     merged["methods"] = summarise_cells(cfg, list(finished.values()), start)
     merged["cells"] = {"runs": len(finished)}
     merged["device"] = devices  # run → the device it ran on
     return merged
+
+
+def merged_sweeps(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method, its lr-sweep entry from the outputs being merged: a swept entry (with
+    validation pass@1 per rate) over one whose rate was fixed by `--lr`; the first swept
+    one where several outputs swept the same method."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for method, entry in (part.get("lr_sweep") or {}).items():
+            if method not in out or (entry.get("validation_pass_at_1")
+                                     and not out[method].get("validation_pass_at_1")):
+                out[method] = entry
+    return out
 
 
 def seeds_of(cfg: dict[str, Any], s: int) -> list[int]:
@@ -339,7 +352,8 @@ def summarise(runs: dict[str, list[dict[str, float]]], seconds: dict[str, float]
 
 FRACTIONS = {"topr": "loss/clip_frac_neg_high", "grpo": "loss/clip_frac",
              "cispo": "loss/clip_frac_high", "m2po": "loss/masked_frac",
-             "icepop": "loss/masked_frac"}
+             "icepop": "loss/masked_frac", "dppo": "loss/masked_frac",
+             "trm": "loss/masked_frac", "vcpo": "loss/is_truncated_frac"}
 
 
 def plot(results: dict[str, Any], path: Path) -> Any:

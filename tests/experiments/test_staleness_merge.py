@@ -79,3 +79,17 @@ def test_grid_selection_and_fixed_rates():
                        (dict(lr=["cispo=1e-4"]), "--lr"), (dict(seeds=[7]), "--seeds")):
         with pytest.raises(SystemExit, match=match):
             select(cfg, SimpleNamespace(**{**vars(args), **bad}))
+
+
+def test_lr_sweeps_of_every_part_are_kept():
+    """Outputs that swept different methods keep each method's sweep; an output whose rate for
+    a method was fixed by --lr (no validation) does not replace that method's sweep."""
+    from experiments.staleness import merged_sweeps
+
+    swept_topr = {"validation_pass_at_1": {"3e-05": 0.30, "0.0001": 0.33}, "chosen": 1e-4}
+    swept_dppo = {"validation_pass_at_1": {"3e-05": 0.39, "0.0001": 0.37}, "chosen": 3e-5}
+    fixed_dppo = {"validation_pass_at_1": {}, "test_pass_at_1": {}, "chosen": 3e-5}
+    parts = [{"lr_sweep": {"topr": swept_topr}}, {"lr_sweep": {"dppo": fixed_dppo}},
+             {"lr_sweep": {"dppo": swept_dppo}}, {}]
+    assert merged_sweeps(parts) == {"topr": swept_topr, "dppo": swept_dppo}
+    assert merged_sweeps(parts[:2]) == {"topr": swept_topr, "dppo": fixed_dppo}
