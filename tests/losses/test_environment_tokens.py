@@ -139,10 +139,17 @@ def loss_and_grads(config):
     return jax.jit(run)
 
 
+# Options a loss needs to be non-trivial here through `compute_loss` alone: TRM's δ = 0.05
+# rejects every record of these random log-probs (k2 up to ~10), and VCPO's OPOB baseline
+# needs the train step's per-record gradient pre-pass (train/score_norms.py), which a call
+# without the model cannot run (tests/losses/test_async_losses_step.py covers it).
+DEFAULT_OPTIONS = {"trm": {"trm_delta": 100.0}, "vcpo": {"vcpo_baseline": "group_mean"}}
+
 # Every registry entry (a new one is covered as it is registered), and the options that change
 # what a kernel sums over.
 CASES = [
-    *[pytest.param(name, {}, id=name) for name in LOSS_NAMES],
+    *[pytest.param(name, DEFAULT_OPTIONS.get(name, {}), id=name) for name in LOSS_NAMES],
+    pytest.param("trm", {"trm_delta": 3.0}, id="trm-masks-some"),
     pytest.param("topr", {"ratio_level": "token"}, id="topr-token"),
     pytest.param("topr", {"ratio_level": "geometric"}, id="topr-geometric"),
     pytest.param("topr", {"aggregation": "token-mean"}, id="topr-token-mean"),

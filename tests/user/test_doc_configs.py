@@ -94,6 +94,14 @@ RUNS = {
         {"my_package/__init__.py": "",
          "my_package/rewards.py": python_block("docs/custom_tasks.md", "`my_tasks/vowels.py`:")},
         TINY, pythonpath_cwd=True, writes="records"),
+    # The environments section ("Every command that samples runs episodes"): its first stage is
+    # generate. A chat template needs a chat model: the packaged SmolLM2-135M.
+    ("README.md", "data: {task: countdown, chat_template: true}"): Run(
+        "c.yaml", ["generate", "--config", "c.yaml", "--out", "records"], {},
+        ["model.source=smollm2", *TINY[1:]], writes="records"),
+    ("docs/environments.md", "data:"): Run(
+        "c.yaml", ["generate", "--config", "c.yaml", "--out", "records"], {}, TINY,
+        writes="records"),
 }
 FRAGMENTS = {
     ("docs/integrations.md", "model:"): "a Hugging Face Hub id: it needs the network or that "
@@ -129,9 +137,11 @@ def _run(tmp_path: Path, where: tuple[str, str], overrides: list[str]) -> None:
         assert (tmp_path / run.writes / "manifest.json").exists(), (run.writes, done.stdout)
 
 
-# The README's block runs in the default suite; the docs pages' blocks (the same `generate`
-# stage on other task sources, ≈ 12 s each) with the slow tests.
-SLOW_RUNS = {("docs/tasks.md", "data:"), ("docs/custom_tasks.md", "data:")}
+# The README's GSM8K block and the environments page's run in the default suite; the other
+# docs pages' blocks (the same `generate` stage on other task sources, ≈ 12 s each) and the
+# README's SmolLM2 episode block with the slow tests.
+SLOW_RUNS = {("docs/tasks.md", "data:"), ("docs/custom_tasks.md", "data:"),
+             ("README.md", "data: {task: countdown, chat_template: true}")}
 
 
 @pytest.mark.parametrize("where", [pytest.param(w, marks=pytest.mark.slow) if w in SLOW_RUNS else w
