@@ -7,10 +7,13 @@
    has positives and negatives to learn from.
 3. Three `iterate` iterations (TOPR arXiv:2503.14286), each: generate n samples per prompt with
    the current policy π_i → reward → score μ = π_i → curate → train → checkpoint → HF export →
-   evaluate; π_0 is evaluated first (the "before" row). One iteration was within noise on one
-   seed of three; three clear two standard errors on each (README). The baseline c = −0.3
-   raises the effective positive fraction (TOPR eq. 12) from p ≈ 0.22 to ≈ 0.35: with c = 0
-   the negatives also pulled the positives' log-probs down and pass@1 did not move in our runs.
+   evaluate; π_0 is evaluated first (the "before" row). The baseline c = −1 gives every
+   negative the advantage R − c = 0, so each update trains on the policy's own correct answers
+   (effective positive fraction 1, TOPR eq. 12): on this 0.8M-parameter policy any weight on
+   the negatives broke the answer format of two-operation questions within three iterations
+   (invalid rate 0.007 → 0.101 at c = −0.3 and → 0.272 at c = 0 on seed 0, up to 0.25 on
+   seed 1), while c = −1 kept it ≤ 0.035 and gained the most pass@1 and pass@8
+   (experiments/README.md § The quickstart's invalid answers).
 4. Print a before/after table (pass@1 ± SE, pass@n, maj@K, invalid rate), render the report
    plots, check that transformers loads the export, and print every path.
 
@@ -50,7 +53,7 @@ QUICKSTART_DEFAULTS: dict[str, Any] = {
     "model": {"source": "random", "family": "llama", "vocab_size": 384, "hidden_size": 128,
               "intermediate_size": 384, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
               "max_position_embeddings": 128},
-    "loss": {"name": "topr", "baseline": -0.3},
+    "loss": {"name": "topr", "baseline": -1.0},  # positives only: module docstring, step 3
     "optim": {"name": "adamw", "learning_rate": 3e-4, "clip_norm": 1.0},
     "mesh": {"data": -1},
     "train": {"steps": 40, "batch_size": 64, "max_seq_len": 96, "log_every": 5,
@@ -69,6 +72,7 @@ QUICKSTART_DEFAULTS: dict[str, Any] = {
 # `--model smollm2`: the packaged 135M chat model; its forward+backward is ~50× the tiny one's.
 SMOLLM2_OVERRIDES = [
     "run_dir=runs/quickstart-smollm2",
+    "loss.baseline=-0.3",  # as measured (README); c = −1 is the tiny policy's (module docstring)
     "model.source=smollm2",
     "data.chat_template=true",  # an instruct model: ask in its ChatML user turn
     "generate.temperature=0.7", "eval.temperature=0.7",  # FPA arXiv:2509.19893's sampling; T=1 is mostly noise at 135M/4-bit
@@ -125,6 +129,28 @@ def build_tokenizer(config: QuickstartConfig, task: Any, out_dir: epath.Path) ->
     return AutoTokenizer.from_pretrained(str(out_dir))
 
 
+# The SFT stage weighs each gold record by R − c = 1.3 (c = −0.3), as every measured warm start
+# did: Adam with clip_norm is not blind to that scale, so the RL baseline (loss.baseline) must
+# not reach it, or choosing RL's baseline would change π_0.
+SFT_BASELINE = -0.3
+
+
+def sft_experiment(config: QuickstartConfig) -> Any:
+    """The SFT stage's experiment: the quickstart's, with the `sft:` section's loss (SFT,
+    baseline `SFT_BASELINE`), rate, steps, batch and probe interval."""
+    s = config.sft
+    sft_config = experiment_part(config).model_copy(deep=True)
+    sft_config.loss.name = "sft"
+    sft_config.loss.baseline = SFT_BASELINE
+    sft_config.optim.learning_rate = s.learning_rate
+    sft_config.optim.schedule = "constant"
+    sft_config.train.steps = s.steps
+    sft_config.train.batch_size = s.batch_size
+    sft_config.train.eval_every = s.eval_every
+    sft_config.train.checkpoint_every = s.steps
+    return sft_config
+
+
 def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir: epath.Path, *,
                    progress: bool) -> tuple[Any, dict[str, Any]]:
     """Random init → SFT on gold solutions, stopping once pass@1 ≥ the target."""
@@ -142,14 +168,7 @@ def sft_warm_start(config: QuickstartConfig, tokenizer: Any, task: Any, run_dir:
                       overwrite=True, task=task.name, reward_fn=task.reward_fn,
                       vocab_size=config.model.vocab_size, extra={"source": "gold"})
         log.mark("records", {"path": str(records), "num_records": len(problems)})
-    sft_config = experiment_part(config).model_copy(deep=True)
-    sft_config.loss.name = "sft"
-    sft_config.optim.learning_rate = s.learning_rate
-    sft_config.optim.schedule = "constant"
-    sft_config.train.steps = s.steps
-    sft_config.train.batch_size = s.batch_size
-    sft_config.train.eval_every = s.eval_every
-    sft_config.train.checkpoint_every = s.steps
+    sft_config = sft_experiment(config)
     probe = task.load(split="validation", num=s.eval_questions, seed=config.seed)
     e, g = config.eval, config.generate
     trainer: Trainer | None = None

@@ -137,3 +137,51 @@ def test_iterate_command_two_pkpo_iterations(tmp_path, capsys):
         assert row["samples/cumulative_solve_rate"] == len(solved) / 4
         assert row["samples/accuracy"] == pytest.approx(
             sum(r.correct for r in records) / len(records))
+
+
+def test_sft_stage_keeps_its_weight_whatever_the_rl_baseline():
+    """The SFT warm start weighs a gold record by R − SFT_BASELINE whatever `loss.baseline` the
+    RL iterations use: two quickstart configs that differ only there build the same SFT
+    experiment (so choosing the RL baseline leaves π_0 alone)."""
+    from jaxrl_llm.flows.quickstart import SFT_BASELINE, load_quickstart_config, sft_experiment
+
+    a = sft_experiment(load_quickstart_config(None, []))
+    b = sft_experiment(load_quickstart_config(None, ["loss.baseline=0.5"]))
+    assert a.model_dump() == b.model_dump()
+    assert a.loss.name == "sft" and a.loss.baseline == SFT_BASELINE == -0.3
+    assert a.optim.learning_rate == QUICKSTART_DEFAULTS["sft"]["learning_rate"]
+
+
+def test_quickstart_rl_loss_trains_on_positives_only():
+    """The quickstart's TOPR baseline (README § Quickstart: measured): with A = R − c (TOPR eq. 7)
+    and c = −1 a negative (R = −1) has A = 0, so the configured kernel's gradient on its tokens is
+    0 whatever its ratio π/μ, and a positive's is −(1 − c)/|y| per token (its truncation [π/μ]₁¹
+    weighs it 1) — written out here from the equation, the kernel called as the train step calls
+    it (`spec.kernel_options`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm.flows.quickstart import load_quickstart_config
+
+    config = load_quickstart_config(None, [])
+    c = config.loss.baseline
+    assert c == -1.0
+    spec = config.loss.spec
+    options = spec.kernel_options(dict(config.loss))
+    rng = np.random.default_rng(0)
+    logmu = jnp.asarray(rng.normal(-1.0, 0.3, (4, 5)), jnp.float32)
+    logp = logmu + jnp.asarray(rng.normal(0.0, 0.5, (4, 5)), jnp.float32)  # ratios ≠ 1
+    mask = jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]],
+                       jnp.float32)
+    rewards = jnp.asarray([1.0, -1.0, 1.0, -1.0])
+
+    def total(lp):
+        return spec.kernel(lp, logmu, mask, rewards, baseline=c, **options).total
+
+    grad = np.asarray(jax.grad(total)(logp))
+    lengths = np.asarray(mask).sum(1)
+    expected = np.zeros((4, 5))
+    for b in (0, 2):  # the positives
+        expected[b] = -(1.0 - c) / lengths[b] * np.asarray(mask)[b]
+    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-7)
