@@ -126,13 +126,16 @@ def quickstart_sections(warm: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def warm_policy_quickstart(cache: Path, *, smoke: bool = False,
-                           smoke_overrides: list[str] | None = None) -> dict[str, Any]:
+                           smoke_overrides: list[str] | None = None,
+                           overrides: list[str] | None = None) -> dict[str, Any]:
     """The quickstart's SFT-warmed policy as an HF directory `cache/models/sft` (built once):
     `quickstart.build_tokenizer` → `quickstart.sft_warm_start` (the quickstart's own stage,
     stopping at its pass@1 target) → `export.atomic_save` with the tokenizer; then pass@1 ± SE
     on a validation split and on test. Returns `cache/warm.json`'s content, whose `sections`
     are the config sections experiments on this policy use (`quickstart_sections`).
-    `smoke_overrides` replace `QUICKSTART_SMOKE_OVERRIDES` (a smoke policy that answers)."""
+    `smoke_overrides` replace `QUICKSTART_SMOKE_OVERRIDES` (a smoke policy that answers);
+    `overrides` apply in both modes (another architecture, e.g. a mixture of experts: the cache
+    directory must then be the variant's own)."""
     from jaxrl_llm.eval.evaluate import evaluate_model
     from jaxrl_llm.flows.quickstart import (
         QUICKSTART_DEFAULTS,
@@ -150,7 +153,7 @@ def warm_policy_quickstart(cache: Path, *, smoke: bool = False,
         # the cache moves with its directory (e.g. copied to another machine)
         return {**info, "model": str(cache / "models" / "sft")}
     t0 = time.perf_counter()
-    overrides = [f"run_dir={cache / 'quickstart'}"]
+    overrides = [f"run_dir={cache / 'quickstart'}", *(overrides or [])]
     smoke_sft = smoke_overrides or QUICKSTART_SMOKE_OVERRIDES
     config = load_quickstart_config(None, overrides + (smoke_sft if smoke else []))
     task = task_from_config(config)
