@@ -59,10 +59,10 @@ from jaxrl_llm.train.checkpoint import (
     locate,
     warn_if_rounded,
 )
+from jaxrl_llm.train.forward import forward
 from jaxrl_llm.train.loss_fn import temperature as loss_temperature
 from jaxrl_llm.train.state import cast_to_dtypes, create_train_state
 from jaxrl_llm.train.state_items import state_items, with_items
-from jaxrl_llm.train.step import forward
 from jaxrl_llm.train.trainer import cached_train_step, fetch_metrics
 
 __all__ = ["Policy", "Samples", "load_policy", "restore_state", "transform_rewards"]

@@ -11,7 +11,7 @@ renamed into place, so an interrupted run resumes by skipping finished shards.
 Sharded like training: the parameters are placed on the ("data", "fsdp", "tensor") mesh by
 the trainer's logical-axis rules (`parallel.rules`), each call's rows are split over
 ("data", "fsdp"), and the hidden states and unembedding carry the train step's sharding
-constraints (`train.step.forward`), so a model that only fits sharded (Llama-3-8B on a v5e
+constraints (`train.forward.forward`), so a model that only fits sharded (Llama-3-8B on a v5e
 pod) scores where it trains.
 
 Multi-host (`jax.process_count() > 1`): input shard i is scored by process i mod P. Every

@@ -34,7 +34,7 @@ def record_scores(config: ExperimentConfig, mesh: Any, st: Any, params: Any, bat
                   forward: Callable[..., Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per record [B]: `‖∇_θ Σ_t mask_t log π_t‖²` over the trainable `params`, the sequence
     log-ratio `Σ_t mask_t (log π_t − log μ_t)` and the completion length `Σ_t mask_t`, one row
-    at a time. `forward` is the train step's (`train.step.forward`, passed in: no import cycle).
+    at a time. `forward` is the train step's (`train.forward.forward`, passed in: no import cycle).
     One record per row: packed rows (`data.pack`) are refused."""
     if batch.records_per_row != 1:
         raise ConfigError(f"loss.name={config.loss.name} needs one record per row for its "

@@ -27,8 +27,8 @@ from jaxrl_llm.parallel.memory import (
 from jaxrl_llm.parallel.mesh import AxisSizes, batch_axes, batch_shards, context_shards, make_mesh
 from jaxrl_llm.parallel.rules import batch_spec, state_shardings
 from jaxrl_llm.sampling.sampler import default_bucket  # the sampler's padded-length buckets
+from jaxrl_llm.train.forward import forward
 from jaxrl_llm.train.state import split_model
-from jaxrl_llm.train.step import forward
 
 BATCH_SIZE_KEY = "generate.score_batch_size"
 # π_ref's log-probs are the policy's own distribution: DPO (arXiv:2305.18290), KTO

@@ -82,8 +82,8 @@ def independent_scores(config, state, batch):
 def test_vcpo_step_against_an_independent_computation():
     """The pre-pass's norms, the OPOB advantages, the loss and the SGD update (lr 1, no
     clipping: update = −scale · gradient) recomputed here."""
+    from jaxrl_llm.train.forward import forward
     from jaxrl_llm.train.score_norms import record_scores
-    from jaxrl_llm.train.step import forward
 
     config, mesh, state, step = setup("vcpo")
     host = make_batch(seed=5)

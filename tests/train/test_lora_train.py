@@ -23,8 +23,9 @@ from jaxrl_llm.losses.logprobs import token_logprobs
 from jaxrl_llm.parallel.distributed import global_batch
 from jaxrl_llm.parallel.mesh import make_mesh
 from jaxrl_llm.plan import make_plan
+from jaxrl_llm.train.forward import forward
 from jaxrl_llm.train.state import abstract_train_state, build_model, create_train_state
-from jaxrl_llm.train.step import forward, make_loss_and_grad, make_train_step
+from jaxrl_llm.train.step import make_loss_and_grad, make_train_step
 from jaxrl_llm.weights.lora_export import merge_lora
 from tests.parallel.helpers import B, V, make_batch
 from tests.xla_flags import ONE_DEVICE

@@ -29,8 +29,8 @@ from jaxrl_llm.losses.logprobs import (
 )
 from jaxrl_llm.losses.vocab_chunks import RowSharding
 from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.train.forward import unembed_row_sharding
 from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.step import unembed_row_sharding
 
 B, T, D, V, CHUNK = 8, 6, 16, 100, 24  # V = 4 full chunks + a remainder of 4
 

@@ -22,9 +22,10 @@ from jaxrl_llm.data.records import Record
 from jaxrl_llm.models.decoder import Decoder
 from jaxrl_llm.parallel.distributed import global_batch
 from jaxrl_llm.parallel.mesh import make_mesh
+from jaxrl_llm.train.forward import forward
 from jaxrl_llm.train.loss_fn import compute_loss
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import forward, make_train_step
+from jaxrl_llm.train.step import make_train_step
 from jaxrl_llm.weights.loading import decoder_config
 
 VOCAB, MAX_LEN, K = 64, 24, 3
