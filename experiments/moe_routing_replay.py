@@ -162,6 +162,28 @@ def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def paired_first_lag(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Replay's own effect on π, paired: at s > 0 the first update trains the warm policy's own
+    samples, on which the two arms route alike (0 tokens differ), so it is the same update in
+    both and update 1 scores the same batch, 1 update old, under the same weights — replayed
+    in one arm, freely routed in the other. Per (loss, s, seed) with both arms: their row 1
+    (`same_routing`: the current router disagrees with the records on the same tokens in
+    both, the check that the weights are the same)."""
+    by = {(c["loss"], c["staleness"], c["replay"], c["seed"]): c for c in cells}
+    out = {}
+    for (loss, s, replay, seed), off in sorted(by.items()):
+        on = by.get((loss, s, "sampler", seed))
+        if replay != "off" or s == 0 or on is None:
+            continue
+        a, b = off["rows"][1], on["rows"][1]
+        out[f"{loss}/s{s}/seed{seed}"] = {
+            "experts_differ": a["experts_differ"],
+            "same_routing": a["experts_differ"] == b["experts_differ"]
+            and a["experts_differ_per_layer"] == b["experts_differ_per_layer"],
+            **{k: {"off": a[k], "sampler": b[k]} for k in ("log_ratio_std", "log_ratio_abs")}}
+    return out
+
+
 def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     if args.staleness:
         unknown = sorted(set(args.staleness) - set(cfg["staleness"]))
@@ -202,6 +224,7 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit("--deadline-min: no cell finished")
     return {"config": cfg, "warm_policy": warm,
             "start": start, "arms": summarise(cells), "not_run": not_run,
+            "paired_first_lag": paired_first_lag(cells),
             "cells": [{k: v for k, v in c.items() if k != "rows"} for c in cells]}
 
 
