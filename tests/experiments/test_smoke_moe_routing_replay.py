@@ -26,6 +26,12 @@ def test_moe_routing_replay_smoke(tmp_path):
             for replay in ("off", "sampler")}
     assert set(results["arms"]) == arms
     assert results["not_run"] == []
+    # at s > 0 the first update trains lag-0 samples, routed alike with and without replay: the
+    # same update, so both arms score update 1's batch under the same weights
+    paired = results["paired_first_lag"]
+    assert set(paired) == {f"{loss}/s{s}/seed{seed}" for loss in cfg["losses"]
+                           for s in cfg["staleness"] if s > 0 for seed in cfg["seeds"]}
+    assert all(entry["same_routing"] for entry in paired.values()), paired
     for arm, entry in results["arms"].items():
         assert entry["seeds"] == cfg["seeds"], arm
         assert 0.0 <= entry["pass_at_1"]["mean"] <= 1.0
