@@ -6,6 +6,7 @@ module imports jax. Single-device tests are unaffected (arrays live on device 0)
 
 import os
 
+import pytest  # imports no jax
 from hypothesis import settings  # imports no jax
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -42,11 +43,37 @@ def pytest_addoption(parser):
                      help="write the reliability table (tests/reliability.py) to PATH at the end")
 
 
+# The reliability table reaches the session's controller through the test reports, so it is
+# the same whether the tests run in this process or in pytest-xdist workers (`-n 2`): each
+# report carries the rows its test recorded as user properties, which xdist sends back.
+_ROW_KEY = "reliability_row"
+_rows_reported = 0
+_REPORTED: list = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    global _rows_reported
+    outcome = yield
+    from tests.reliability import ROWS
+
+    report = outcome.get_result()
+    for row in ROWS[_rows_reported:]:
+        report.user_properties.append((_ROW_KEY, dict(vars(row))))
+    _rows_reported = len(ROWS)
+
+
+def pytest_runtest_logreport(report):
+    from tests.reliability import Row
+
+    _REPORTED.extend(Row(**value) for key, value in report.user_properties if key == _ROW_KEY)
+
+
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--reliability-report")
-    if path:
-        from tests.reliability import ROWS, render
+    if path and not hasattr(session.config, "workerinput"):  # the controller writes it
+        from tests.reliability import render
 
         with open(path + ".tmp", "w") as f:
-            f.write(render(ROWS))
+            f.write(render(_REPORTED))
         os.replace(path + ".tmp", path)  # atomic: a reader never sees half a table
