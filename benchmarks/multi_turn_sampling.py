@@ -28,7 +28,7 @@ first step until it stops, and no slot starts, so the running count at each step
 Per arm: the share of decode steps with an idle slot (one parked for its environment, one
 waiting to be handed to it or refilled, or the tail), and the share of slot-steps idle.
 
-    nice -n 5 python benchmarks/multi_turn_sampling.py            # the run in docs/benchmarks.md
+    nice -n 10 python benchmarks/multi_turn_sampling.py --runs 3  # the run in docs/benchmarks.md
     python benchmarks/multi_turn_sampling.py --smoke --out s.json  # tiny sizes (the check)
 """
 
