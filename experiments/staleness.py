@@ -362,7 +362,8 @@ def plot(results: dict[str, Any], path: Path) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(results["methods"])
+    # a merge of part-grids has the config's every method: draw (and label) those with runs
+    methods = [m for m, by_s in results["methods"].items() if by_s]
     stal = results["config"]["staleness"]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     for i, method in enumerate(methods):  # final pass@1 vs s
