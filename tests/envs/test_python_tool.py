@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -87,10 +88,14 @@ HOSTILE = {
 }
 
 
-def _sandbox_processes() -> list[psutil.Process]:
+def _sandbox_processes(under: Path) -> list[psutil.Process]:
+    """Sandbox children (and their forks, which keep the cmdline) whose work directory is under
+    `under`: only this test's, not those of a test running beside it (pytest-xdist, CI)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
-        if any("sandbox_child.py" in part for part in (p.info["cmdline"] or [])):
+        cmdline = p.info["cmdline"] or []
+        if any("sandbox_child.py" in part for part in cmdline) and \
+                any(part.startswith(str(under)) for part in cmdline):
             found.append(p)
     return found
 
@@ -107,7 +112,10 @@ def _call(env: PythonEnv, code: str):
 
 @pytest.mark.reliability
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_program(env: PythonEnv, name: str, tmp_path: Path):
+def test_hostile_program(env: PythonEnv, name: str, tmp_path: Path, monkeypatch):
+    sandboxes = tmp_path / "sandboxes"
+    sandboxes.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(sandboxes))  # the sandbox's mkdtemp base
     outdir = tmp_path / "host"
     outdir.mkdir()
     keep = outdir / "keep.txt"
@@ -128,7 +136,7 @@ def test_hostile_program(env: PythonEnv, name: str, tmp_path: Path):
             failures.append("not counted as a tool error")
         if out.exists() or not keep.exists():
             failures.append("a host file was written or removed")
-        if _sandbox_processes() or psutil.Process().children(recursive=True) != before:
+        if _sandbox_processes(sandboxes) or psutil.Process().children(recursive=True) != before:
             failures.append("a process outlived the run")
         try:
             server.accept()

@@ -87,7 +87,7 @@ class Tally:
     def finish(self, scenario: str, detail: str) -> None:
         if self.runs == 0 and os.environ.get("PYTEST_XDIST_WORKER"):
             # pytest-xdist sent this module's scenario tests to the other worker: the row is
-            # recorded by the one-process reliability run (.ci/run), which runs them all here
+            # recorded by the reliability run (.ci/run: --dist loadfile runs them all here)
             pytest.skip("its scenario's tests ran in another pytest-xdist worker")
         record(SECTION, scenario, runs=self.runs, failures=len(self.failures), detail=detail)
         assert not self.failures, self.failures[:5]
