@@ -15,6 +15,7 @@ the keyword arguments of `env.options`. docs/environments.md has the protocol an
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -33,7 +34,7 @@ class EnvResponse:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # JSON-able: tool calls, errors
 
 
-class Environment:
+class Environment(abc.ABC):
     """Base class: subclass it and implement `respond` (and usually `start` and `score`).
 
     The defaults use the task: the first user turn is the task's prompt (with its system
@@ -67,9 +68,10 @@ class Environment:
         """Per-episode state, handed to every `respond` and to `score`."""
         return None
 
+    @abc.abstractmethod
     def respond(self, state: Any, model_text: str) -> EnvResponse:
-        raise NotImplementedError(f"environment {self.name or type(self).__name__!r} does not "
-                                  "define respond()")
+        """The environment's answer to one model turn (every subclass defines it: a subclass
+        without it cannot be instantiated, so no episode starts on a missing method)."""
 
     def score(self, state: Any, problem: Problem, model_turns: list[str]) -> RewardResult:
         """The episode's reward: by default the task's score of the last model turn."""
