@@ -26,7 +26,10 @@ step by config, seed included (`train.trainer.cached_train_step`), so that seria
 it and the free runs after it reuse it; compare the clocks from the first probe on (README).
 
     python experiments/free_running.py --out runs/experiments/free_running [--smoke]
-        [--seeds 0 1] [--deadline-min M]
+        [--seeds 0 1] [--deadline-min M] [--methods async]
+
+`--methods async` runs the config's `methods_async` (TOPR, DPPO, OAPL, VCPO at the rates claim 9
+chose on their μ) in place of `methods` (TOPR, GRPO).
 """
 
 from __future__ import annotations
@@ -207,6 +210,10 @@ def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     import jax
 
     warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
+    if args.methods == "async":
+        if "methods_async" not in cfg:
+            raise SystemExit(f"--methods async: {CONFIG} has no `methods_async` in this section")
+        cfg = {**cfg, "methods": cfg["methods_async"]}
     if len(jax.devices()) != 2:
         raise SystemExit(f"{len(jax.devices())} devices: this experiment runs on 2 (XLA_FLAGS)")
     first = next(iter(cfg["methods"]))
@@ -256,6 +263,8 @@ def options(parser: Any) -> None:
     parser.add_argument("--deadline-min", type=float, default=None,
                         help="start no run after this many minutes; summarise the seeds "
                              "every loss and arm finished")
+    parser.add_argument("--methods", choices=("default", "async"), default="default",
+                        help="the config's `methods` (default) or `methods_async`")
 
 
 def plot(results: dict[str, Any], path: Path) -> Any:
