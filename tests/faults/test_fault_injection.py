@@ -134,6 +134,7 @@ def test_fault_smoke_sigkill_mid_step(fault_root, env, tmp_path):
     assert not messages, "\n".join(messages)
 
 
+@pytest.mark.slow  # ≈ 1 min on 2 cores; the default run keeps the SIGKILL smoke above
 @pytest.mark.reliability
 def test_ctrl_c_mid_step_saves_exits_130_and_resumes_bit_exactly(fault_root, env, tmp_path):
     """Issue 33: Ctrl-C was swallowed (a KeyboardInterrupt inside JAX's GC callback) and the
