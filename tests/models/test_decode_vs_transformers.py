@@ -59,8 +59,8 @@ def _expected_step_logits(full_logits_of, out) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("name,scan", [
     ("qwen3_qknorm", True),
-    ("qwen3_yarn", False),
-    ("llama_linear_bias", False),
+    pytest.param("qwen3_yarn", False, marks=pytest.mark.slow),  # YaRN: also test_rope_yarn.py
+    pytest.param("llama_linear_bias", False, marks=pytest.mark.slow),
     pytest.param("qwen2_bias", True, marks=pytest.mark.slow),
     pytest.param("gemma2", False, marks=pytest.mark.slow),
     pytest.param("gemma2", True, marks=pytest.mark.slow),

@@ -55,7 +55,9 @@ def _randomise_adapters(model: Decoder, seed: int, std: float = 0.2) -> None:
     nnx.update(model, jax.tree.unflatten(treedef, new))
 
 
-@pytest.mark.parametrize("family, scan", [("llama", False), ("llama", True), ("qwen2", False),
+@pytest.mark.parametrize("family, scan", [pytest.param("llama", False, marks=pytest.mark.slow),
+                                          ("llama", True),
+                                          pytest.param("qwen2", False, marks=pytest.mark.slow),
                                           ("gemma2", True)])
 def test_zero_adapters_give_exactly_the_base_logprobs(family, scan):
     config = DecoderConfig(family=family, vocab_size=256, hidden_size=32, intermediate_size=48,
