@@ -163,6 +163,7 @@ def test_mu_source_sampler_takes_untruncated_records_at_their_temperature(tmp_pa
     assert cfg.generate.temperature == 0.6  # unset in the config: the records' value
 
 
+@pytest.mark.slow  # ≈ 20 s on 2 cores; the other mismatch cases here stay in the default run
 def test_generation_manifests_say_whether_sampling_was_truncated(tmp_path):
     from flax import nnx
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from jaxrl_llm.cli import main as cli_main
 from jaxrl_llm.tasks import get_task
 
 
+@pytest.mark.slow  # ≈ 25 s on 2 cores; evaluate keeps its held-out and CLI tests in the default run
 def test_evaluate_hf_dir_writes_consistent_eval_json(tmp_path, capsys):
     from flax import nnx
 

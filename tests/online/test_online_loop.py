@@ -77,6 +77,7 @@ def test_bad_configs_name_the_key(tmp_path: Path, override: dict, message: str) 
     assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
+@pytest.mark.slow  # ≈ 20 s on 2 cores; PKPO transforms keep their unit tests in the default run
 def test_pkpo_k_follows_the_schedule_and_transforms_each_round(tmp_path: Path) -> None:
     # One prompt × 8 samples per round (one group, one batch) on a task the random model
     # solves now and then, 0/1 rewards: each round's batch is the group's PKPO transform at
