@@ -209,11 +209,11 @@ def summarise(runs: dict[str, dict[str, Any]], start: dict[str, float]) -> dict[
 def run(args: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     import jax
 
-    warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
-    if args.methods == "async":
+    if args.methods == "async":  # checked before the warm policy is built (minutes)
         if "methods_async" not in cfg:
             raise SystemExit(f"--methods async: {CONFIG} has no `methods_async` in this section")
         cfg = {**cfg, "methods": cfg["methods_async"]}
+    warm = common.warm_policy_quickstart(args.cache, smoke=args.smoke)
     if len(jax.devices()) != 2:
         raise SystemExit(f"{len(jax.devices())} devices: this experiment runs on 2 (XLA_FLAGS)")
     first = next(iter(cfg["methods"]))
